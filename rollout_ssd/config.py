@@ -1,0 +1,57 @@
+"""Engine-level configs: small frozen dataclasses, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+METHODS = ("ar", "sd", "ssd")
+SPECULATORS = ("draft", "suffix", "random")
+
+
+def reject_unknown(cls, options: dict) -> None:
+    """Raise a ValueError naming options that `cls` does not have (never drop them silently)."""
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no option(s) {unknown}; known: {sorted(known)}")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How to speculate. method "ar" (none), "sd" (speculative decoding) or "ssd" (SSD).
+
+    k: draft tokens per round. speculator: what proposes in SD ("draft" = the neural draft model,
+    "suffix" = suffix/n-gram matching over the prompt, the sequence and its siblings, "random").
+    """
+
+    method: str = "ar"
+    k: int = 4
+    speculator: str = "draft"
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"SpecConfig.method must be one of {METHODS}, got {self.method!r}")
+        if not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"SpecConfig.k must be an integer >= 1, got {self.k!r}")
+        if self.speculator not in SPECULATORS:
+            raise ValueError(f"SpecConfig.speculator must be one of {SPECULATORS}, got {self.speculator!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Batching and memory. max_batch_size: sequences decoded together (= KV slots).
+    max_model_len: prompt + generated tokens per sequence (default: the model's context, capped at 4096).
+    kv_cache_bytes: optional cap on the KV cache; max_batch_size is lowered to fit under it."""
+
+    max_batch_size: int = 32
+    max_model_len: Optional[int] = None
+    kv_cache_bytes: Optional[int] = None
+
+    def __post_init__(self):
+        if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
+            raise ValueError(f"EngineConfig.max_batch_size must be an integer >= 1, got {self.max_batch_size!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"EngineConfig.max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.kv_cache_bytes is not None and (not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes < 1):
+            raise ValueError(f"EngineConfig.kv_cache_bytes must be a positive integer, got {self.kv_cache_bytes!r}")

@@ -1,0 +1,61 @@
+"""Decode strategies: how running sequences advance by one round. AR here; SD/SSD add their own.
+
+Invariant every strategy keeps: for a running sequence, the target's KV cache holds every token
+except the last emitted one (which the next round feeds).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from rollout_ssd.metrics import EngineMetrics
+from rollout_ssd.runner import ModelRunner
+from rollout_ssd.sampling import draw_tokens, full_logprobs, target_probs
+from rollout_ssd.sequence import Sequence
+
+
+def row_params(seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row (temperature [B], top_k [B], top_p [B]) tensors."""
+    temperature = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32)
+    top_k = torch.tensor([s.params.top_k for s in seqs], dtype=torch.long)
+    top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32)
+    return temperature, top_k, top_p
+
+
+def sample_rows(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """One token per row from the target law, with its DESIGN.md logprob. logits: [B, V]."""
+    temperature, top_k, top_p = row_params(seqs)
+    probs = target_probs(logits, temperature, top_k, top_p)
+    tokens = draw_tokens(probs, temperature <= 0, [s.generator for s in seqs])
+    logprobs = full_logprobs(logits, temperature).gather(1, tokens[:, None]).squeeze(1)
+    return tokens.tolist(), logprobs.tolist()
+
+
+class DecodeStrategy(ABC):
+    @abstractmethod
+    def step(self, running: list[Sequence]) -> int:
+        """Advance every running sequence by one round; returns tokens emitted."""
+
+    def on_admit(self, seqs: list[Sequence]) -> None:
+        """Called after the target prefilled new sequences (drafts prefill here)."""
+
+    def on_release(self, seq: Sequence) -> None:
+        """Called before a finished sequence's slot is freed."""
+
+    def close(self) -> None:
+        """Release processes or other resources."""
+
+
+class ARDecode(DecodeStrategy):
+    def __init__(self, runner: ModelRunner, stats: EngineMetrics):
+        self.runner = runner
+        self.stats = stats
+
+    def step(self, running: list[Sequence]) -> int:
+        logits = self.runner.decode([s.slot for s in running], [s.last_token for s in running])
+        tokens, logprobs = sample_rows(running, logits)
+        emitted = sum(s.append([t], [lp]) for s, t, lp in zip(running, tokens, logprobs))
+        self.stats.add_rounds(len(running), emitted)
+        return emitted

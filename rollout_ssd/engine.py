@@ -1,0 +1,248 @@
+"""RolloutEngine: the public entry point (DESIGN.md).
+
+The engine owns the scheduler loop, the target runner and a decode strategy ("ar" here; "sd"/"ssd"
+plug in behind the same `DecodeStrategy` interface). It knows tokenization only at its edges:
+prompts in, text out. Everything in between is token ids.
+
+Loop (continuous batching): admit waiting sequences into free KV slots and prefill them in one
+ragged batch (sampling each one's first token from the prefill logits), then advance every running
+sequence by one round of the decode strategy; finished sequences free their slot at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Iterable, Optional, Union
+from typing import Sequence as Seq
+
+import torch
+
+from rollout_ssd.config import EngineConfig, SpecConfig, reject_unknown
+from rollout_ssd.decode import ARDecode, DecodeStrategy, sample_rows
+from rollout_ssd.kv_cache import KVCache
+from rollout_ssd.metrics import EngineMetrics
+from rollout_ssd.models.loader import LoadedModel, load_pretrained
+from rollout_ssd.params import Rollout, SamplingParams
+from rollout_ssd.runner import ModelRunner
+from rollout_ssd.sampling import sequence_generator
+from rollout_ssd.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+Prompt = Union[str, list[int]]
+
+
+class RolloutEngine:
+    def __init__(self, target: LoadedModel, spec: SpecConfig = SpecConfig(), engine: EngineConfig = EngineConfig(),
+                 draft: Optional[LoadedModel] = None):
+        self.target = target
+        self.spec = spec
+        self.config = engine
+        cfg = target.model.cfg
+        max_len = engine.max_model_len or min(cfg.max_position_embeddings, 4096)
+        slots = engine.max_batch_size
+        if engine.kv_cache_bytes is not None:
+            per_slot = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, target.model.dtype) * max_len
+            slots = min(slots, engine.kv_cache_bytes // per_slot)
+            if slots < 1:
+                raise ValueError(
+                    f"EngineConfig.kv_cache_bytes={engine.kv_cache_bytes} cannot hold one sequence of "
+                    f"max_model_len={max_len} ({per_slot} bytes)"
+                )
+        self.max_model_len = max_len
+        self.runner = ModelRunner(target.model, num_slots=slots, max_len=max_len)
+        self.weight_version = 0
+        self.stats = EngineMetrics()
+        self.strategy: DecodeStrategy = self._make_strategy(spec, draft)
+        self._closed = False
+
+    @classmethod
+    def from_pretrained(cls, target: str = "smollm2-135m-instruct", draft: Optional[str] = None,
+                        spec: Optional[SpecConfig] = None, dtype: str = "auto", device: str = "cpu",
+                        **engine_options) -> "RolloutEngine":
+        """Load the target (and draft) and build an engine. engine_options are EngineConfig fields."""
+        if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
+            raise ValueError(f"device {device!r} is not available on this machine")
+        reject_unknown(EngineConfig, engine_options)
+        loaded = load_pretrained(target, dtype=dtype)
+        if device != "cpu":
+            loaded.model.to(device)
+        draft_loaded = None
+        if draft is not None:
+            from rollout_ssd.models.registry import resolve_draft
+
+            draft_loaded = load_pretrained(resolve_draft(draft, target), dtype=dtype, with_tokenizer=False)
+        return cls(loaded, spec or SpecConfig(), EngineConfig(**engine_options), draft_loaded)
+
+    def _make_strategy(self, spec: SpecConfig, draft: Optional[LoadedModel]) -> DecodeStrategy:
+        if spec.method == "ar":
+            return ARDecode(self.runner, self.stats)
+        raise ValueError(f"SpecConfig.method {spec.method!r} is not available in this build")
+
+    # ------------------------------------------------------------------ public API
+    def sample(self, prompts: Seq[Prompt], params: Optional[SamplingParams] = None,
+               progress: bool = False) -> list[Rollout]:
+        """Generate len(prompts) * params.n rollouts, ordered by (prompt, sample)."""
+        self._check_open()
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        prompt_ids = self._tokenize(prompts, params)
+        seqs = [self._new_sequence(i, j, ids, params) for i, ids in enumerate(prompt_ids) for j in range(params.n)]
+        if seqs:
+            self._generate(seqs, progress)
+        tok = self.target.tokenizer
+        return [
+            Rollout(
+                prompt_index=s.prompt_index, sample_index=s.sample_index, prompt_token_ids=s.prompt_token_ids,
+                token_ids=s.token_ids, logprobs=s.logprobs,
+                text=tok.decode(s.token_ids, skip_special_tokens=True) if tok is not None else None,
+                finish_reason=s.finish_reason, weight_version=self.weight_version,
+            )
+            for s in seqs
+        ]
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Replace target weights (HF names) between rounds; all tensors are validated before any is
+        written, so a bad update leaves the engine serving the old version."""
+        self._check_open()
+        if not isinstance(version, int) or version <= self.weight_version:
+            raise ValueError(f"version must be an integer > current version {self.weight_version}, got {version!r}")
+        params = self.target.model.hf_parameters()
+        state = dict(named_tensors)
+        for name, tensor in state.items():
+            if name not in params:
+                raise ValueError(f"update_weights: unknown tensor {name!r}")
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise ValueError(f"update_weights: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(params[name].shape)}")
+            if not torch.isfinite(tensor).all():
+                raise ValueError(f"update_weights: tensor {name!r} has NaN or Inf values")
+        with torch.no_grad():
+            for name, tensor in state.items():
+                params[name].copy_(tensor)
+        self.weight_version = version
+
+    def metrics(self, reset: bool = False) -> dict:
+        out = self.stats.as_dict()
+        out["sync/version"] = self.weight_version
+        if reset:
+            self.stats.reset()
+        return out
+
+    def close(self) -> None:
+        if not self._closed:
+            self.strategy.close()
+            self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("RolloutEngine is closed")
+
+    def _tokenize(self, prompts: Seq[Prompt], params: SamplingParams) -> list[list[int]]:
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Seq):
+            raise ValueError("prompts must be a list of strings or a list of token-id lists")
+        vocab = self.target.model.cfg.vocab_size
+        tok = self.target.tokenizer
+        out = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if tok is None:
+                    raise ValueError(f"prompts[{i}] is text but the model has no tokenizer; pass token ids")
+                if not p:
+                    raise ValueError(f"prompts[{i}] is empty")
+                if params.chat:
+                    ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                  tokenize=True)
+                    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+                else:
+                    ids = tok(p).input_ids
+            elif isinstance(p, (list, tuple)):
+                if params.chat:
+                    raise ValueError(f"prompts[{i}]: chat=True needs text prompts, got token ids")
+                if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in p):
+                    raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab})")
+                ids = list(p)
+            else:
+                raise ValueError(f"prompts[{i}] must be a string or a list of token ids, got {type(p).__name__}")
+            if not ids:
+                raise ValueError(f"prompts[{i}] is empty")
+            if len(ids) >= self.max_model_len:
+                raise ValueError(f"prompts[{i}] has {len(ids)} tokens; the context holds {self.max_model_len} "
+                                 f"(prompt plus at least one generated token)")
+            out.append(ids)
+        return out
+
+    def _new_sequence(self, i: int, j: int, ids: list[int], params: SamplingParams) -> Sequence:
+        stop = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop |= set(self.target.model.cfg.eos_token_ids)
+        return Sequence(prompt_index=i, sample_index=j, prompt_token_ids=ids, params=params,
+                        generator=sequence_generator(params.seed, i, j), stop_ids=frozenset(stop),
+                        max_total_len=self.max_model_len)
+
+    def _generate(self, seqs: list[Sequence], progress: bool) -> None:
+        waiting = deque(seqs)
+        running: list[Sequence] = []
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(seqs), desc="rollouts", unit="seq")
+        start, produced = time.perf_counter(), 0
+        try:
+            while waiting or running:
+                admitted = []
+                while waiting and self.runner.cache.num_free > 0:
+                    seq = waiting.popleft()
+                    seq.slot = self.runner.allocate()
+                    admitted.append(seq)
+                if admitted:
+                    produced += self._prefill(admitted)
+                    running.extend(admitted)
+                running = self._retire(running, bar)
+                if running:
+                    produced += self.strategy.step(running)
+                    running = self._retire(running, bar)
+                if bar is not None:
+                    bar.set_postfix_str(f"{produced / (time.perf_counter() - start):.0f} tok/s", refresh=False)
+        except BaseException:
+            for seq in running:
+                self._release(seq)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        self.stats.add_time(time.perf_counter() - start, produced)
+
+    def _prefill(self, seqs: list[Sequence]) -> int:
+        logits = self.runner.prefill([s.slot for s in seqs], [s.prompt_token_ids for s in seqs])
+        self.strategy.on_admit(seqs)
+        tokens, logprobs = sample_rows(seqs, logits)
+        return sum(s.append([t], [lp]) for s, t, lp in zip(seqs, tokens, logprobs))
+
+    def _retire(self, running: list[Sequence], bar) -> list[Sequence]:
+        still = []
+        for seq in running:
+            if seq.finished:
+                self._release(seq)
+                if bar is not None:
+                    bar.update(1)
+            else:
+                still.append(seq)
+        return still
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.slot >= 0:
+            self.strategy.on_release(seq)
+            self.runner.free(seq.slot)
+            seq.slot = -1

@@ -1,0 +1,53 @@
+"""A preallocated KV cache with sequence slots.
+
+Layout per layer: keys and values [num_slots + 1, num_kv_heads, max_len, head_dim]. The extra last
+slot is scratch: padded query rows write there, so ragged batches never need a per-row copy loop.
+`lengths[slot]` is how many positions of that slot hold valid entries; rollback is just lowering it
+(entries past the length are dead and get overwritten by the next append).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        if num_slots < 1 or max_len < 1:
+            raise ValueError(f"KVCache needs num_slots >= 1 and max_len >= 1, got {num_slots}, {max_len}")
+        shape = (num_slots + 1, num_kv_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self.scratch_slot = num_slots
+        self.lengths = [0] * num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError("KVCache: no free slot")
+        slot = self._free.pop()
+        self.lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.num_slots:
+            raise ValueError(f"KVCache.free: slot {slot} is not allocated")
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    def rollback(self, slot: int, length: int) -> None:
+        """Forget every entry of `slot` at position >= length."""
+        if not 0 <= length <= self.lengths[slot]:
+            raise ValueError(f"KVCache.rollback: length {length} outside [0, {self.lengths[slot]}] for slot {slot}")
+        self.lengths[slot] = length

@@ -1,0 +1,34 @@
+"""Attention backends behind one interface.
+
+A backend receives the batch's queries for the new tokens, the full (already written) keys/values of
+the batch's slots up to the longest visible length, and a boolean visibility mask. The CPU path is
+PyTorch SDPA with the mask; flash-attn is used on CUDA when it is installed and the mask is the plain
+causal-over-cache pattern (tree masks go to SDPA or the Triton tree kernel in `kernels/`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+class AttentionBackend(ABC):
+    @abstractmethod
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                 scale: float) -> torch.Tensor:
+        """q [B, Hq, T, D]; k, v [B, Hkv, L, D]; mask [B, 1, T, L] bool (True = visible) or None
+        (every query sees every key). Returns [B, Hq, T, D]."""
+
+
+class SDPABackend(AttentionBackend):
+    def __call__(self, q, k, v, mask, scale):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+
+
+def default_backend(device: torch.device) -> AttentionBackend:
+    """SDPA everywhere; on CUDA PyTorch's SDPA itself dispatches to its flash/efficient kernels."""
+    return SDPABackend()

