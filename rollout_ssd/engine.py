@@ -73,13 +73,30 @@ class RolloutEngine:
         if draft is not None:
             from rollout_ssd.models.registry import resolve_draft
 
-            draft_loaded = load_pretrained(resolve_draft(draft, target), dtype=dtype, with_tokenizer=False)
+            draft_loaded = load_pretrained(resolve_draft(draft, target), dtype=dtype, with_tokenizer=False,
+                                           share_embedding_from=loaded.model)
         return cls(loaded, spec or SpecConfig(), EngineConfig(**engine_options), draft_loaded)
 
     def _make_strategy(self, spec: SpecConfig, draft: Optional[LoadedModel]) -> DecodeStrategy:
         if spec.method == "ar":
             return ARDecode(self.runner, self.stats)
+        if spec.method == "sd":
+            from rollout_ssd.spec.sd import SDDecode
+
+            return SDDecode(self.runner, self._make_speculator(spec, draft), spec.k, self.stats)
         raise ValueError(f"SpecConfig.method {spec.method!r} is not available in this build")
+
+    def _make_speculator(self, spec: SpecConfig, draft: Optional[LoadedModel]):
+        if spec.speculator == "draft":
+            if draft is None:
+                raise ValueError("SpecConfig.speculator='draft' needs a draft model (draft=...)")
+            if draft.model.cfg.vocab_size != self.target.model.cfg.vocab_size:
+                raise ValueError(f"draft vocab_size {draft.model.cfg.vocab_size} differs from the target's "
+                                 f"{self.target.model.cfg.vocab_size}: they must share a tokenizer")
+            from rollout_ssd.spec.draft_model import DraftModelSpeculator
+
+            return DraftModelSpeculator(draft.model, self.runner.cache.num_slots, self.max_model_len)
+        raise ValueError(f"SpecConfig.speculator {spec.speculator!r} is not available in this build")
 
     # ------------------------------------------------------------------ public API
     def sample(self, prompts: Seq[Prompt], params: Optional[SamplingParams] = None,

@@ -35,6 +35,10 @@ class ModelConfig:
     max_position_embeddings: int
     bos_token_id: Optional[int]
     eos_token_ids: tuple[int, ...]
+    # Drafts only: the LM head covers `head_vocab_size` token ids (stored as lm_head.token_ids), and
+    # the input embedding is the target's, shared at load time rather than stored.
+    head_vocab_size: Optional[int] = None
+    shares_target_embedding: bool = False
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -82,6 +86,8 @@ def model_config_from_hf(hf_config) -> ModelConfig:
         max_position_embeddings=hf_config.max_position_embeddings,
         bos_token_id=getattr(hf_config, "bos_token_id", None),
         eos_token_ids=eos,
+        head_vocab_size=getattr(hf_config, "head_vocab_size", None),
+        shares_target_embedding=bool(getattr(hf_config, "shares_target_embedding", False)),
     )
 
 

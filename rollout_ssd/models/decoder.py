@@ -125,8 +125,12 @@ class Decoder(nn.Module):
         self.embed = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.zeros(cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.lm_head = (self.embed if cfg.tie_word_embeddings else
-                        nn.Parameter(torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False))
+        head_rows = cfg.head_vocab_size or cfg.vocab_size
+        self.lm_head = (self.embed if cfg.tie_word_embeddings and cfg.head_vocab_size is None else
+                        nn.Parameter(torch.zeros(head_rows, cfg.hidden_size, dtype=dtype), requires_grad=False))
+        # Token id of each LM-head row (a draft's restricted head); None = the full vocabulary.
+        self.head_token_ids = (nn.Parameter(torch.zeros(head_rows, dtype=torch.long), requires_grad=False)
+                               if cfg.head_vocab_size is not None else None)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.rope_scaling = rope_scaling
         self.backend = backend or SDPABackend()
@@ -137,8 +141,10 @@ class Decoder(nn.Module):
         out = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
         for i, layer in enumerate(self.layers):
             out.update(layer.hf_parameters(f"model.layers.{i}"))
-        if not self.cfg.tie_word_embeddings:
+        if self.lm_head is not self.embed:
             out["lm_head.weight"] = self.lm_head
+        if self.head_token_ids is not None:
+            out["lm_head.token_ids"] = self.head_token_ids
         return out
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,8 +156,13 @@ class Decoder(nn.Module):
         return cos[:, :, None, :], sin[:, :, None, :]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] (after the final norm) -> float32 logits [..., V]."""
-        return F.linear(hidden, self.lm_head).float()
+        """hidden [..., H] (after the final norm) -> float32 logits [..., V]. With a restricted head,
+        tokens outside it get -inf, so the distribution is exactly what the head can sample."""
+        head = F.linear(hidden, self.lm_head).float()
+        if self.head_token_ids is None:
+            return head
+        full = head.new_full((*head.shape[:-1], self.cfg.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.head_token_ids, head)
 
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Run new tokens through the model, writing their K/V into `cache`.

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from torch import nn
 
 from rollout_ssd.models.config import model_config_from_hf, rope_inv_freq
 from rollout_ssd.models.decoder import Decoder
@@ -69,11 +70,22 @@ def resolve_source(name_or_path: str) -> Path:
     )
 
 
-def build_decoder(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype) -> Decoder:
-    """A decoder with `state` (HF names) copied in; every tensor checked by name and shape."""
+def build_decoder(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                  share_embedding_from: Optional[Decoder] = None) -> Decoder:
+    """A decoder with `state` (HF names) copied in; every tensor checked by name and shape.
+    A draft whose config says `shares_target_embedding` takes `share_embedding_from`'s embedding."""
     cfg = model_config_from_hf(hf_config)
     inv_freq, scaling = rope_inv_freq(hf_config)
     model = Decoder(cfg, inv_freq, scaling, dtype=dtype)
+    if cfg.shares_target_embedding:
+        if share_embedding_from is None:
+            raise ValueError("this draft shares its target's embedding: load it with its target")
+        target_embed = share_embedding_from.embed
+        if target_embed.shape != model.embed.shape:
+            raise ValueError(f"draft embedding shape {tuple(model.embed.shape)} does not match the target's "
+                             f"{tuple(target_embed.shape)}")
+        model.embed = nn.Parameter(target_embed.detach().to(dtype), requires_grad=False)
+        state = {**state, "model.embed_tokens.weight": model.embed}
     load_state(model, state)
     return model
 
@@ -111,7 +123,8 @@ def load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_pretrained(name_or_path: str, dtype="auto", with_tokenizer: bool = True) -> LoadedModel:
+def load_pretrained(name_or_path: str, dtype="auto", with_tokenizer: bool = True,
+                    share_embedding_from: Optional[Decoder] = None) -> LoadedModel:
     dtype = parse_dtype(dtype)
     path = resolve_source(name_or_path)
     if path.suffix == ".gguf":
@@ -125,7 +138,7 @@ def load_pretrained(name_or_path: str, dtype="auto", with_tokenizer: bool = True
         hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
         state = load_safetensors_dir(path)
         tokenizer = dir_tokenizer(path) if with_tokenizer else None
-    model = build_decoder(hf_config, state, dtype)
+    model = build_decoder(hf_config, state, dtype, share_embedding_from)
     return LoadedModel(model=model, hf_config=hf_config, tokenizer=tokenizer, source=str(path))
 
 

@@ -31,3 +31,26 @@ def resolve_builtin(name: str) -> Optional[Path]:
     if not path.is_file():
         raise ValueError(f"model {name!r}: {path} is missing from the installed package")
     return path
+
+
+# Drafts committed with the package (made by recipes/distill_draft.py; provenance beside each).
+BUILTIN_DRAFTS = {DEFAULT_TARGET: "smollm2-135m-instruct-draft"}
+
+
+def assets_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "assets"
+
+
+def resolve_draft(draft: str, target: str) -> str:
+    """`draft="default"` -> the built-in draft of a built-in target; anything else is returned as is."""
+    if draft != "default":
+        return draft
+    name = BUILTIN_DRAFTS.get(str(target).lower())
+    if name is None:
+        raise ValueError(f"draft='default' is only defined for built-in targets {sorted(BUILTIN_DRAFTS)}, "
+                         f"not {target!r}")
+    path = assets_dir() / "drafts" / name
+    if not (path / "config.json").is_file():
+        raise ValueError(f"the default draft for {target!r} is missing from this install ({path}); "
+                         f"make it with recipes/distill_draft.py")
+    return str(path)

@@ -1,0 +1,111 @@
+"""A neural draft model as a speculator: any small model sharing the target's tokenizer.
+
+The draft runs on our own runtime with its own KV cache. For each sequence it remembers how many of
+the sequence's tokens its cache holds (`cached`); a round feeds every token it has not seen yet
+(the last emitted token, plus the last accepted draft token when a whole chain was accepted) in one
+multi-token forward, then drafts autoregressively. After verification it rolls its cache back to the
+longest prefix that still matches the sequence, so the draft's KV stays in step with rollbacks.
+
+Draft tokens are sampled from q = the same temperature/top-k/top-p processing applied to the
+draft's logits (a close q accepts more; any q is exact because verification uses this very q), with
+a generator stream of the sequence's own (stream 2) that verification never touches. Greedy rows
+take argmax q. A restricted-head draft (head_token_ids) reports q on that support (`SparseDraft`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollout_ssd.decode import row_params
+from rollout_ssd.models.decoder import Decoder
+from rollout_ssd.runner import ModelRunner
+from rollout_ssd.sampling import draw_tokens, sequence_generator, target_probs
+from rollout_ssd.sequence import Sequence
+from rollout_ssd.spec.speculator import Proposal, Speculator
+from rollout_ssd.spec.verify import DenseDraft, SparseDraft
+
+DRAFT_STREAM = 2
+
+
+class DraftModelSpeculator(Speculator):
+    name = "draft"
+
+    def __init__(self, model: Decoder, num_slots: int, max_len: int):
+        self.model = model
+        self.runner = ModelRunner(model, num_slots=num_slots, max_len=max_len)
+        self.slot: dict[int, int] = {}  # id(seq) -> draft slot
+        self.cached: dict[int, int] = {}  # id(seq) -> tokens of the sequence in the draft cache
+        self.generators: dict[int, torch.Generator] = {}
+        self.drafted: dict[int, list[int]] = {}  # id(seq) -> drafted tokens written after `cached`
+
+    def on_admit(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            key = id(seq)
+            self.slot[key] = self.runner.allocate()
+            p = seq.params
+            self.generators[key] = sequence_generator(p.seed, seq.prompt_index, seq.sample_index, DRAFT_STREAM)
+            self.drafted[key] = []
+        self.runner.prefill([self.slot[id(s)] for s in seqs], [s.prompt_token_ids for s in seqs])
+        for seq in seqs:
+            self.cached[id(seq)] = len(seq.prompt_token_ids)
+
+    def on_release(self, seq: Sequence) -> None:
+        key = id(seq)
+        if key in self.slot:
+            self.runner.free(self.slot.pop(key))
+            del self.cached[key], self.generators[key], self.drafted[key]
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> Proposal:
+        tokens: list[list[int]] = [[] for _ in seqs]
+        k_max = max(ks, default=0)
+        head_ids = self.model.head_token_ids
+        width = head_ids.numel() if head_ids is not None else self.model.cfg.vocab_size
+        q_all = torch.zeros(len(seqs), max(k_max, 1), width)  # [B, K, V or head size]
+        active = [i for i, k in enumerate(ks) if k > 0]
+        if active:
+            sub = [seqs[i] for i in active]
+            k_sub = [ks[i] for i in active]
+            slots = [self.slot[id(s)] for s in sub]
+            temperature, top_k, top_p = row_params(sub)
+            greedy = temperature <= 0
+            gens = [self.generators[id(s)] for s in sub]
+            # catch up on every token the draft has not seen (at least the last emitted one)
+            logits = self.runner.extend(slots, [s.all_token_ids[self.cached[id(s)]:] for s in sub], last_only=True)
+            for s in sub:
+                self.cached[id(s)] = s.num_tokens
+            for step in range(k_max):
+                rows = [r for r in range(len(sub)) if k_sub[r] > step]
+                probs = target_probs(logits[rows], temperature[rows], top_k[rows], top_p[rows])
+                drawn = draw_tokens(probs, greedy[rows], [gens[r] for r in rows]).tolist()
+                q = probs if head_ids is None else probs[:, head_ids]
+                for j, r in enumerate(rows):
+                    tokens[active[r]].append(drawn[j])
+                    q_all[active[r], step] = q[j]
+                nxt = [(r, t) for r, t in zip(rows, drawn) if k_sub[r] > step + 1]
+                if nxt:
+                    logits[[r for r, _ in nxt]] = self.runner.decode([slots[r] for r, _ in nxt], [t for _, t in nxt])
+            for r, s in enumerate(sub):
+                self.drafted[id(s)] = tokens[active[r]][: k_sub[r] - 1]  # written into the draft cache
+        if head_ids is None:
+            draft = DenseDraft(q_all)
+        else:
+            draft = SparseDraft(head_ids.expand(len(seqs), q_all.shape[1], width), q_all)
+        return Proposal(tokens=tokens, draft=draft)
+
+    def on_verified(self, seqs: list[Sequence], accepted: list[int]) -> None:
+        """Roll the draft cache back to the longest prefix that matches the sequence, minus its last
+        token (which the next round feeds)."""
+        for seq in seqs:
+            key = id(seq)
+            if key not in self.slot:
+                continue
+            base, drafted = self.cached[key], self.drafted[key]
+            tail = seq.all_token_ids[base:]
+            agree = 0
+            while agree < min(len(drafted), len(tail)) and drafted[agree] == tail[agree]:
+                agree += 1
+            keep = min(base + agree, seq.num_tokens - 1)
+            self.runner.rollback(self.slot[key], keep)
+            self.cached[key] = keep
+            self.drafted[key] = []
