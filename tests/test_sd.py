@@ -1,0 +1,153 @@
+"""Speculative decoding in the engine: greedy SD == greedy AR token for token, SD logprobs == AR
+logprobs, and the law of short continuations equals the exact target law for every draft kind."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig
+from rollout_ssd.models.loader import load_pretrained
+from rollout_ssd.sampling import target_probs
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [3, 3, 3, 3]]
+
+
+def _tiny(tmp_path, name, vocab, hidden, layers, seed, **kw):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      eos_token_id=None, bos_token_id=None, **kw)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # sharper logits than the default init, so greedy paths are not near-ties
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(tmp_path / name)
+    return load_pretrained(str(tmp_path / name), dtype="float32"), model
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sd")
+    target, hf_target = _tiny(tmp, "target", 48, 32, 2, seed=0)
+    draft, _ = _tiny(tmp, "draft", 48, 16, 1, seed=1)
+    return target, draft, hf_target
+
+
+def _engine(target, draft, method, speculator="draft", k=3, batch=3):
+    return RolloutEngine(target, SpecConfig(method=method, k=k, speculator=speculator),
+                         EngineConfig(max_batch_size=batch, max_model_len=128), draft=draft)
+
+
+@pytest.mark.parametrize("speculator", ["draft", "self", "suffix", "random"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_sd_equals_ar(pair, speculator, batch):
+    target, draft, _ = pair
+    params = SamplingParams(temperature=0, max_new_tokens=24, n=2, ignore_eos=True)
+    ar = _engine(target, None, "ar", batch=batch).sample(PROMPTS, params)
+    sd_draft = target if speculator == "self" else draft
+    spec = "draft" if speculator == "self" else speculator
+    eng = _engine(target, sd_draft, "sd", speculator=spec, k=3, batch=batch)
+    sd = eng.sample(PROMPTS, params)
+    assert [r.token_ids for r in sd] == [r.token_ids for r in ar]
+    for a, b in zip(ar, sd):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    m = eng.metrics()
+    assert m["spec/accept_length"] >= 1.0
+    if speculator == "self":
+        assert m["spec/accept_rate"] == 1.0  # a draft equal to the target is always accepted when greedy
+
+
+def test_stop_token_inside_accepted_run(pair):
+    """A stop token that lands inside an accepted run ends the rollout there, exactly as AR."""
+    target, _, _ = pair
+    base = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
+    free = _engine(target, None, "ar").sample([PROMPTS[0]], base)[0].token_ids
+    stop = free[5]
+    params = SamplingParams(temperature=0, max_new_tokens=20, stop_token_ids=(stop,))
+    ar = _engine(target, None, "ar").sample([PROMPTS[0]], params)[0]
+    sd = _engine(target, target, "sd", k=4).sample([PROMPTS[0]], params)[0]
+    assert sd.token_ids == ar.token_ids and sd.token_ids[-1] == stop and sd.finish_reason == "stop"
+    assert len(sd.logprobs) == len(sd.token_ids)
+
+
+def _exact_law(hf_model, prompt, steps, temperature, top_p, top_k):
+    """P(continuation) for every continuation of `steps` tokens, by enumeration over the target."""
+    vocab = hf_model.config.vocab_size
+    law = {}
+    t = torch.tensor([temperature]); k = torch.tensor([top_k]); p = torch.tensor([top_p])
+
+    def walk(ctx, prob, depth):
+        if depth == steps:
+            law[tuple(ctx[len(prompt):])] = prob
+            return
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([ctx])).logits[0, -1:].float()
+        probs = target_probs(logits, t, k, p)[0]
+        for tok in range(vocab):
+            if probs[tok] > 0:
+                walk(ctx + [tok], prob * float(probs[tok]), depth + 1)
+
+    walk(list(prompt), 1.0, 0)
+    return law
+
+
+@pytest.mark.parametrize("speculator,temperature,top_p,top_k", [
+    ("draft", 1.0, 1.0, 0), ("draft", 0.7, 0.9, 0), ("suffix", 1.0, 1.0, 0), ("random", 0.7, 0.9, 0),
+    ("draft", 1.0, 1.0, 2),
+])
+def test_sd_law_matches_target(tmp_path, speculator, temperature, top_p, top_k):
+    """Empirical law of 4-token continuations under SD vs the exact enumerated target law (the first
+    token comes from the prefill, the next three from one SD round with K=2 drafted tokens).
+    Chi-square with cells of expected count < 5 pooled; alpha = 1e-4, so this test fails by
+    chance with probability 1e-4 (seeds are fixed, so a given run is deterministic)."""
+    target, hf_target = _tiny(tmp_path, "t", 4, 16, 1, seed=3)
+    with torch.no_grad():
+        hf_target.lm_head.weight.div_(4.0)  # back to a spread-out law (V=4) so every cell is exercised
+    hf_target.save_pretrained(tmp_path / "t")
+    target = load_pretrained(str(tmp_path / "t"), dtype="float32")
+    draft, _ = _tiny(tmp_path, "d", 4, 16, 1, seed=4)  # an unrelated model: far from the target
+    prompt = [1, 2, 3]
+    n = 4000
+    eng = RolloutEngine(target, SpecConfig(method="sd", k=2, speculator=speculator),
+                        EngineConfig(max_batch_size=256, max_model_len=16), draft=draft)
+    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=4,
+                            ignore_eos=True, seed=11)
+    rollouts = eng.sample([prompt], params)
+    law = _exact_law(hf_target, prompt, 4, temperature, top_p, top_k)
+    counts = {c: 0 for c in law}
+    for r in rollouts:
+        key = tuple(r.token_ids)
+        assert key in law, f"continuation {key} has probability 0 under the target"
+        counts[key] += 1
+    cells = sorted(law, key=law.get, reverse=True)
+    obs, exp, pool_o, pool_e = [], [], 0, 0.0
+    for c in cells:
+        if law[c] * n >= 5:
+            obs.append(counts[c]); exp.append(law[c] * n)
+        else:
+            pool_o += counts[c]; pool_e += law[c] * n
+    if pool_e > 0:
+        obs.append(pool_o); exp.append(pool_e)
+    scale = sum(obs) / sum(exp)
+    assert chisquare(obs, [e * scale for e in exp]).pvalue > 1e-4
+    assert eng.metrics()["spec/proposed_per_round"] > 0
+
+
+def test_sd_metrics_names(pair):
+    target, draft, _ = pair
+    eng = _engine(target, draft, "sd", k=3)
+    eng.sample(PROMPTS[:2], SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True))
+    m = eng.metrics()
+    for key in ("spec/accept_rate", "spec/accepted_per_proposed", "spec/accept_length", "rollout/tokens_per_round",
+                "spec/accept_rate_pos_1", "spec/draft_seconds", "spec/verify_seconds", "rollout/tokens_per_s"):
+        assert key in m
+    assert 0.0 <= m["spec/accept_rate"] <= 1.0
+    assert m["spec/accepted_per_proposed"] <= m["spec/accept_rate"] + 1e-12
+    assert 1.0 <= m["spec/accept_length"] <= 4.0
+    eng.metrics(reset=True)
+    assert "spec/accept_rate" not in eng.metrics()
+
+
