@@ -44,6 +44,9 @@ class DecodeStrategy(ABC):
     def on_release(self, seq: Sequence) -> None:
         """Called before a finished sequence's slot is freed."""
 
+    def on_weights_changed(self) -> None:
+        """The target's weights changed between rounds: drop anything derived from them."""
+
     def close(self) -> None:
         """Release processes or other resources."""
 

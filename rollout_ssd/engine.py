@@ -12,6 +12,8 @@ sequence by one round of the decode strategy; finished sequences free their slot
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from collections import deque
 from typing import Iterable, Optional, Union
@@ -55,6 +57,11 @@ class RolloutEngine:
         self.runner = ModelRunner(target.model, num_slots=slots, max_len=max_len)
         self.weight_version = 0
         self.stats = EngineMetrics()
+        self._pending: queue.Queue = queue.Queue()
+        self._apply_lock = threading.Lock()
+        self._sampling = False
+        self._sync_rejected = 0
+        self._receiver_threads: list = []
         self.strategy: DecodeStrategy = self._make_strategy(spec, draft)
         self._closed = False
 
@@ -96,6 +103,14 @@ class RolloutEngine:
             from rollout_ssd.spec.draft_model import DraftModelSpeculator
 
             return DraftModelSpeculator(draft.model, self.runner.cache.num_slots, self.max_model_len)
+        if spec.speculator == "suffix":
+            from rollout_ssd.spec.suffix import SuffixSpeculator
+
+            return SuffixSpeculator()
+        if spec.speculator == "random":
+            from rollout_ssd.spec.random_spec import RandomConfig, RandomSpeculator
+
+            return RandomSpeculator(RandomConfig(vocab_size=self.target.model.cfg.vocab_size))
         raise ValueError(f"SpecConfig.speculator {spec.speculator!r} is not available in this build")
 
     # ------------------------------------------------------------------ public API
@@ -116,35 +131,81 @@ class RolloutEngine:
                 prompt_index=s.prompt_index, sample_index=s.sample_index, prompt_token_ids=s.prompt_token_ids,
                 token_ids=s.token_ids, logprobs=s.logprobs,
                 text=tok.decode(s.token_ids, skip_special_tokens=True) if tok is not None else None,
-                finish_reason=s.finish_reason, weight_version=self.weight_version,
+                finish_reason=s.finish_reason, weight_version=max(s.versions),
+                extra={"weight_versions": sorted(s.versions)} if len(s.versions) > 1 else {},
             )
             for s in seqs
         ]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Replace target weights (HF names) between rounds; all tensors are validated before any is
-        written, so a bad update leaves the engine serving the old version."""
+        """Replace target weights (HF names). Everything is validated before anything is written, so a
+        bad update raises ValueError and the engine keeps serving the old version. Called while
+        `sample` runs (from another thread), the update is applied between rounds, never inside one."""
         self._check_open()
-        if not isinstance(version, int) or version <= self.weight_version:
-            raise ValueError(f"version must be an integer > current version {self.weight_version}, got {version!r}")
-        params = self.target.model.hf_parameters()
-        state = dict(named_tensors)
-        for name, tensor in state.items():
-            if name not in params:
-                raise ValueError(f"update_weights: unknown tensor {name!r}")
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise ValueError(f"update_weights: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(params[name].shape)}")
-            if not torch.isfinite(tensor).all():
-                raise ValueError(f"update_weights: tensor {name!r} has NaN or Inf values")
-        with torch.no_grad():
-            for name, tensor in state.items():
-                params[name].copy_(tensor)
-        self.weight_version = version
+        update = _InProcessUpdate(dict(named_tensors), version)
+        update.validate(self.target.model.hf_parameters(), self.weight_version)
+        self._pending.put(update)
+        if not self._sampling:
+            self._apply_pending([])
+
+    def attach_receiver(self, receiver) -> None:
+        """Serve a `weight_sync.WeightReceiver`: a background thread receives and verifies transfers;
+        each verified update is applied between rounds. A rejected transfer is logged and counted
+        (`sync/rejected`), and the engine keeps serving the version it has."""
+        import threading
+
+        def loop():
+            from rollout_ssd.weight_sync import TransportError, WeightSyncError
+
+            while not self._closed:
+                try:
+                    staged = receiver.receive(timeout=None)
+                except WeightSyncError as err:
+                    if isinstance(err, TransportError) and self._closed:
+                        return
+                    self._sync_rejected += 1
+                    log.warning("weight sync: transfer rejected, still serving version %d: %s", self.weight_version, err)
+                    if isinstance(err, TransportError):
+                        return
+                    continue
+                self._pending.put(staged)
+                if not self._sampling:
+                    self._apply_pending([])
+
+        thread = threading.Thread(target=loop, name="rollout-ssd-weight-receiver", daemon=True)
+        thread.start()
+        self._receiver_threads.append(thread)
+
+    def _apply_pending(self, running: list[Sequence]) -> None:
+        """Apply queued weight updates (between rounds only). Running sequences' target KV was computed
+        under the old weights, so it is recomputed under the new ones: each later token is then verified
+        under exactly the version its rollout reports."""
+        applied = False
+        with self._apply_lock:
+            while not self._pending.empty():
+                update = self._pending.get()
+                t0 = time.perf_counter()
+                try:
+                    update.apply_to(self.target.model.hf_parameters())
+                except ValueError as err:
+                    self._sync_rejected += 1
+                    log.warning("weight sync: update %s rejected, still serving version %d: %s",
+                                getattr(update, "version", "?"), self.weight_version, err)
+                    continue
+                self.weight_version = update.version
+                self.stats.add_sync(time.perf_counter() - t0, getattr(getattr(update, "stats", None), "bytes_received", 0))
+                applied = True
+        if applied:
+            self.strategy.on_weights_changed()
+            if running:
+                for seq in running:
+                    self.runner.rollback(seq.slot, 0)
+                self.runner.prefill([s.slot for s in running], [s.all_token_ids[:-1] for s in running])
 
     def metrics(self, reset: bool = False) -> dict:
         out = self.stats.as_dict()
         out["sync/version"] = self.weight_version
+        out["sync/rejected"] = self._sync_rejected
         if reset:
             self.stats.reset()
         return out
@@ -216,8 +277,10 @@ class RolloutEngine:
 
             bar = tqdm(total=len(seqs), desc="rollouts", unit="seq")
         start, produced = time.perf_counter(), 0
+        self._sampling = True
         try:
             while waiting or running:
+                self._apply_pending(running)
                 admitted = []
                 while waiting and self.runner.cache.num_free > 0:
                     seq = waiting.popleft()
@@ -237,8 +300,10 @@ class RolloutEngine:
                 self._release(seq)
             raise
         finally:
+            self._sampling = False
             if bar is not None:
                 bar.close()
+        self._apply_pending([])
         self.stats.add_time(time.perf_counter() - start, produced)
 
     def _prefill(self, seqs: list[Sequence]) -> int:
@@ -250,6 +315,7 @@ class RolloutEngine:
     def _retire(self, running: list[Sequence], bar) -> list[Sequence]:
         still = []
         for seq in running:
+            seq.versions.add(self.weight_version)
             if seq.finished:
                 self._release(seq)
                 if bar is not None:
@@ -263,3 +329,32 @@ class RolloutEngine:
             self.strategy.on_release(seq)
             self.runner.free(seq.slot)
             seq.slot = -1
+
+
+class _InProcessUpdate:
+    """An update handed to `update_weights` in process: validated once on arrival, applied between rounds."""
+
+    def __init__(self, state: dict[str, torch.Tensor], version: int):
+        self.state = state
+        self.version = version
+
+    def validate(self, params: dict[str, torch.Tensor], current_version: int) -> None:
+        if not isinstance(self.version, int) or isinstance(self.version, bool) or self.version <= current_version:
+            raise ValueError(f"version must be an integer > current version {current_version}, got {self.version!r}")
+        for name, tensor in self.state.items():
+            if name not in params:
+                raise ValueError(f"update_weights: unknown tensor {name!r}")
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"update_weights: {name!r} is not a tensor")
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise ValueError(f"update_weights: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(params[name].shape)}")
+            if not tensor.is_floating_point():
+                raise ValueError(f"update_weights: tensor {name!r} has dtype {tensor.dtype}, expected a float dtype")
+            if not torch.isfinite(tensor).all():
+                raise ValueError(f"update_weights: tensor {name!r} has NaN or Inf values")
+
+    def apply_to(self, params: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, tensor in self.state.items():
+                params[name].copy_(tensor)

@@ -27,6 +27,9 @@ class EngineMetrics:
     pos_judged: list = field(default_factory=list)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    syncs: int = 0
+    sync_seconds: float = 0.0
+    sync_bytes: int = 0
 
     def add_time(self, seconds: float, tokens: int) -> None:
         self.seconds += seconds
@@ -55,6 +58,11 @@ class EngineMetrics:
                 self.pos_judged[i] += 1
                 self.pos_accepted[i] += int(i < a)
 
+    def add_sync(self, seconds: float, nbytes: int) -> None:
+        self.syncs += 1
+        self.sync_seconds += seconds
+        self.sync_bytes += nbytes
+
     def reset(self) -> None:
         self.__init__()
 
@@ -65,6 +73,8 @@ class EngineMetrics:
             "rollout/tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0,
             "rollout/tokens_per_round": self.round_tokens / self.rounds if self.rounds else 0.0,
         }
+        if self.syncs:
+            out.update({"sync/bytes": self.sync_bytes, "sync/seconds": self.sync_seconds, "sync/count": self.syncs})
         if self.spec_rounds:
             total = self.draft_seconds + self.verify_seconds
             out.update({

@@ -23,6 +23,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: Optional[str] = None
     slot: int = -1
+    versions: set = field(default_factory=set)  # weight versions its tokens were verified under
 
     @property
     def finished(self) -> bool:

@@ -1,0 +1,86 @@
+"""SSDConfig: every knob of speculative speculative decoding, in one small frozen dataclass."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+BACKUPS = ("neural", "suffix", "random")
+FALLBACKS = ("sd", "ar")
+
+
+@dataclass(frozen=True)
+class SSDConfig:
+    """How SSD runs (THEORY.md §2-3).
+
+    k: draft tokens per chain. fanout: manual F_0..F_k (the reference engine's hand-set fan-out), or
+    None for the Theorem 12 planner (`FanoutPlanner`) with budget B = `budget` if set, else sized from
+    timings within [k+1, max_budget]. C: Saguaro constant in (0, 1] (1 = plain draft sampling) or
+    "adaptive" (per-context C from the draft's entropy, `adaptive_c`, floor c_min).
+    backup: what covers a cache miss: "neural" (the draft on demand), "suffix" or "random" (a fast
+    speculator passed to SSDDecode). strategy_rule: pick per batch among ssd+neural, ssd+<fast>, sd,
+    suffix, ar from live estimates (`StrategyRule`); off = always "ssd+<backup>".
+    worker: run the draft in its own process (its own core on a CPU, pinned when pin_cores). worker_timeout:
+    seconds a reply may take before the worker is declared dead; startup_timeout: the same for start-up.
+    fallback: what finishes the rollouts after a worker failure ("sd": in-process neural draft, "ar").
+    max_restarts: automatic worker restarts (at the next admission) after failures.
+    """
+
+    k: int = 4
+    fanout: Optional[tuple[int, ...]] = None
+    budget: Optional[int] = None
+    max_budget: int = 32
+    C: Union[float, str] = 1.0
+    c_min: float = 0.3
+    backup: str = "neural"
+    strategy_rule: bool = False
+    worker: bool = False
+    worker_timeout: float = 30.0
+    startup_timeout: float = 180.0
+    pin_cores: bool = True
+    fallback: str = "sd"
+    max_restarts: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
+            raise ValueError(f"SSDConfig.k must be an integer >= 1, got {self.k!r}")
+        if self.fanout is not None:
+            fanout = tuple(self.fanout)
+            if len(fanout) != self.k + 1 or any(not isinstance(f, int) or f < 0 for f in fanout) or not sum(fanout):
+                raise ValueError(f"SSDConfig.fanout must be k+1={self.k + 1} integers >= 0 with a positive sum, "
+                                 f"got {self.fanout!r}")
+            object.__setattr__(self, "fanout", fanout)
+        if self.budget is not None and (not isinstance(self.budget, int) or self.budget < 1):
+            raise ValueError(f"SSDConfig.budget must be an integer >= 1 or None, got {self.budget!r}")
+        if not isinstance(self.max_budget, int) or self.max_budget < self.k + 1:
+            raise ValueError(f"SSDConfig.max_budget must be an integer >= k+1={self.k + 1}, got {self.max_budget!r}")
+        if self.budget is not None and self.budget > self.max_budget:
+            raise ValueError(f"SSDConfig.budget {self.budget} exceeds max_budget {self.max_budget}")
+        if isinstance(self.C, str):
+            if self.C != "adaptive":
+                raise ValueError(f"SSDConfig.C must be a number in (0, 1] or 'adaptive', got {self.C!r}")
+        elif not (isinstance(self.C, (int, float)) and 0.0 < self.C <= 1.0):
+            raise ValueError(f"SSDConfig.C must be a number in (0, 1] or 'adaptive', got {self.C!r}")
+        if not 0.0 < self.c_min <= 1.0:
+            raise ValueError(f"SSDConfig.c_min must be in (0, 1], got {self.c_min!r}")
+        if self.backup not in BACKUPS:
+            raise ValueError(f"SSDConfig.backup must be one of {BACKUPS}, got {self.backup!r}")
+        for name in ("worker_timeout", "startup_timeout"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"SSDConfig.{name} must be a positive number of seconds, got {value!r}")
+        if self.fallback not in FALLBACKS:
+            raise ValueError(f"SSDConfig.fallback must be one of {FALLBACKS}, got {self.fallback!r}")
+        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ValueError(f"SSDConfig.max_restarts must be an integer >= 0, got {self.max_restarts!r}")
+
+    @property
+    def max_branches(self) -> int:
+        """Most branches one sequence's cache can hold (sizes the draft KV)."""
+        return sum(self.fanout) if self.fanout is not None else self.max_budget
+
+    @property
+    def saguaro_c(self) -> Optional[float]:
+        """The fixed C, or None when C is adaptive."""
+        return None if isinstance(self.C, str) else float(self.C)

@@ -1,0 +1,262 @@
+"""TreeDrafter: the draft model's forwards for SSD: the glue forward, the branch tree and on-demand chains.
+
+Cache construction for one round (THEORY.md §2), per sequence with committed tokens x_1..x_n and the
+chain s_1..s_K under verification:
+  1. glue: ONE forward of the draft over [every committed token its KV lacks (normally just x_n),
+     s_1..s_K]. The logits at depth j (after s_1..s_j) rank the bonus candidates of verdict (j, ·), and
+     the KV it writes is exactly the draft's context for whatever prefix gets accepted.
+  2. candidates: at depth j the top-F_j tokens of the draft's logits, skipping s_{j+1} (a rejected token
+     has zero residual, so it can never be the bonus); at depth K nothing is skipped. We rank by logits
+     rather than by q so greedy rows (q a point mass) and truncated laws (top-k/top-p) still get F_j
+     distinct, sensible candidates; on q's support the two rankings agree. Ties: lower token id first.
+  3. tree: for every branch (j, t) of every sequence, K draft tokens after t, all branches of all
+     sequences in ONE forward per step (K forwards). A sequence's branches share its KV slot: the glue
+     ends at cache position G, and step i's tokens are appended as one block of N (branch count) at
+     G + i·N, branch r at G + i·N + r. Branch r of depth j sees cache positions [0, n + j) (the committed
+     context and s_1..s_j) plus its own earlier tokens {G + i'·N + r : i' <= i}; its RoPE positions are
+     n + j + i, as if the branch were the sequence. (The step-major layout is what `ModelRunner.extend`
+     appends; kernels/reference.py's packed layout is branch-major, so we build the mask here.)
+  Afterwards the slot is cut back to G: the branch region is scratch.
+
+Sampling: every chain token (tree or on demand) at absolute index i is drawn from q = the row's
+temperature/top-k/top-p law of the draft logits (greedy rows: argmax, no draw), by inverse CDF with the
+counter-based uniform draft_uniforms(key, i) (ssd/rng.py), independent of batch and branch composition.
+Saguaro (Definition 14): at chain position i the draft samples from q_C, which down-weights by C the
+top-F_i tokens of that position's logits, F_i being the fan-out that depth i will get when this chain is
+itself verified and cached. Every chain position is bent, the first and the deeper ones alike, because
+every position is a potential rejection depth next round; depth K (all accepted) draws its bonus from p,
+not from a residual, so nothing there is bent. The q returned (and verified) is q_C itself.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from rollout_ssd.models.decoder import Decoder
+from rollout_ssd.runner import ModelRunner
+from rollout_ssd.sampling import sample_from_probs, target_probs
+from rollout_ssd.ssd.cache import CacheEntries
+from rollout_ssd.ssd.rng import draft_uniforms
+from rollout_ssd.ssd.saguaro import adaptive_c, entropy, saguaro_probs, top_f_mask
+
+
+@dataclass
+class DraftSeq:
+    """The draft side's view of one sequence. Its KV slot holds committed[:base] + spec."""
+
+    seq_id: int
+    slot: int
+    key: int  # counter-based RNG key (ssd/rng.py)
+    temperature: float
+    top_k: int
+    top_p: float
+    committed: list[int]
+    base: int = 0
+    spec: list[int] = field(default_factory=list)
+    chain: list[int] = field(default_factory=list)  # the chain under verification
+
+
+@dataclass(frozen=True)
+class SaguaroRule:
+    """C fixed (1.0 = off) or adaptive (C = adaptive_c(entropy(q), c_min) per row)."""
+
+    C: Optional[float] = 1.0  # None: adaptive
+    c_min: float = 0.3
+
+    def values(self, q: torch.Tensor) -> Optional[torch.Tensor]:
+        """[N] C per row, or None when nothing is bent."""
+        if self.C is None:
+            return adaptive_c(entropy(q), self.c_min)
+        if self.C >= 1.0:
+            return None
+        return torch.full((q.shape[0],), float(self.C))
+
+
+@dataclass
+class BuildStats:
+    glue_seconds: float = 0.0
+    seconds: float = 0.0
+    branches: int = 0
+
+
+class TreeDrafter:
+    def __init__(self, model: Decoder, runner: ModelRunner, k: int, saguaro: SaguaroRule):
+        self.model = model
+        self.runner = runner
+        self.k = k
+        self.saguaro = saguaro
+        self.vocab = model.cfg.vocab_size
+
+    # ------------------------------------------------------------------ bookkeeping
+    def sync(self, st: DraftSeq) -> None:
+        """Cut the KV back to the longest prefix that is still committed, keeping the last committed
+        token out (every forward re-feeds it, so its logits come out)."""
+        tail = st.committed[st.base:]
+        agree = 0
+        while agree < min(len(st.spec), len(tail)) and st.spec[agree] == tail[agree]:
+            agree += 1
+        st.base = min(st.base + agree, len(st.committed) - 1)
+        st.spec = []
+        self.runner.rollback(st.slot, st.base)
+
+    # ------------------------------------------------------------------ sampling
+    def sample(self, seqs: Sequence[DraftSeq], logits: torch.Tensor, index: torch.Tensor,
+               bend: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draw one draft token per row. logits: [N, V]; index: [N] absolute token index being drawn;
+        bend: Saguaro's F at this chain position (0: nothing bent). Returns tokens [N], q [N, V]."""
+        temperature = torch.tensor([s.temperature for s in seqs], dtype=torch.float32)
+        top_k = torch.tensor([s.top_k for s in seqs], dtype=torch.long)
+        top_p = torch.tensor([s.top_p for s in seqs], dtype=torch.float32)
+        q = target_probs(logits, temperature, top_k, top_p)
+        greedy = temperature <= 0
+        tokens = logits.argmax(dim=-1)
+        sampled = (~greedy).nonzero().squeeze(1)
+        if sampled.numel():
+            qs = q[sampled]
+            c = self.saguaro.values(qs) if bend > 0 else None
+            if c is not None:
+                qs = saguaro_probs(qs, top_f_mask(logits[sampled], bend), c)
+                q[sampled] = qs
+            keys = torch.tensor([seqs[i].key for i in sampled.tolist()], dtype=torch.long)
+            tokens[sampled] = sample_from_probs(qs, draft_uniforms(keys, index[sampled]))
+        return tokens, q
+
+    # ------------------------------------------------------------------ on demand (SD / neural backup)
+    @torch.inference_mode()
+    def draft(self, seqs: Sequence[DraftSeq], lengths: Sequence[int], fanout: Sequence[int]
+              ) -> list[tuple[list[int], torch.Tensor]]:
+        """Serial chains: lengths[b] tokens after each sequence's committed context, as an SD draft
+        would (one catch-up forward, then one decode per token). Returns (tokens, q [len, V]) per row."""
+        out: list[tuple[list[int], torch.Tensor]] = [([], torch.zeros(0, self.vocab)) for _ in seqs]
+        rows = [b for b, n in enumerate(lengths) if n > 0]
+        if not rows:
+            return out
+        for b in rows:
+            self.sync(seqs[b])
+        sub = [seqs[b] for b in rows]
+        logits = self.runner.extend([s.slot for s in sub], [s.committed[s.base:] for s in sub], last_only=True)
+        for s in sub:
+            s.base = len(s.committed)
+        tokens = {b: [] for b in rows}
+        qs = {b: [] for b in rows}
+        for step in range(max(lengths[b] for b in rows)):
+            live = [r for r, b in enumerate(rows) if lengths[b] > step]
+            index = torch.tensor([len(sub[r].committed) + step for r in live], dtype=torch.long)
+            drawn, q = self.sample([sub[r] for r in live], logits[live], index, _at(fanout, step))
+            drawn_list = drawn.tolist()
+            for n, r in enumerate(live):
+                tokens[rows[r]].append(drawn_list[n])
+                qs[rows[r]].append(q[n])
+            feed = [(r, drawn_list[n]) for n, r in enumerate(live) if lengths[rows[r]] > step + 1]
+            if feed:
+                logits[[r for r, _ in feed]] = self.runner.decode([sub[r].slot for r, _ in feed], [t for _, t in feed])
+                for r, t in feed:
+                    sub[r].spec.append(t)
+        for b in rows:
+            out[b] = (tokens[b], torch.stack(qs[b]))
+        return out
+
+    # ------------------------------------------------------------------ cache construction
+    @torch.inference_mode()
+    def build(self, seqs: Sequence[DraftSeq], fanout: Sequence[int], stats: Optional[BuildStats] = None
+              ) -> dict[int, CacheEntries]:
+        """Glue forward + tree decode for each sequence's `chain`; returns seq_id -> its CacheEntries.
+        fanout: F_0..F_k (depth j of a shorter chain K_b uses F_j, and its all-accepted depth uses F_k)."""
+        t0 = time.perf_counter()
+        if not seqs:
+            return {}
+        for st in seqs:
+            self.sync(st)
+        catchup = [len(st.committed) - st.base for st in seqs]  # >= 1
+        glue = [st.committed[st.base:] + st.chain for st in seqs]
+        logits = self.runner.extend([st.slot for st in seqs], glue)  # [B, T, V]
+        glue_end = []
+        for st in seqs:
+            st.spec = list(st.chain)
+            st.base = len(st.committed)
+            glue_end.append(self.runner.length(st.slot))
+        t_glue = time.perf_counter()
+
+        # candidates (depth j, token t) per sequence
+        branches: list[list[tuple[int, int]]] = []
+        depth_counts: list[tuple[int, ...]] = []
+        f_max = max(fanout) if len(fanout) else 0
+        for b, st in enumerate(seqs):
+            K = len(st.chain)
+            rows = logits[b, catchup[b] - 1: catchup[b] + K]  # [K+1, V]: depth 0..K
+            width = min(f_max + 1, self.vocab)
+            order = torch.sort(rows, dim=-1, descending=True, stable=True).indices[:, :width].tolist()
+            mine, counts = [], []
+            for j in range(K + 1):
+                f = fanout[j] if j < K else fanout[-1]
+                excluded = st.chain[j] if j < K else -1
+                picked = [t for t in order[j] if t != excluded][:f]
+                mine += [(j, t) for t in picked]
+                counts.append(len(picked))
+            branches.append(mine)
+            depth_counts.append(tuple(counts))
+
+        out: dict[int, CacheEntries] = {}
+        live = [b for b in range(len(seqs)) if branches[b]]
+        if live:
+            out = self._tree(seqs, live, branches, depth_counts, glue_end, fanout)
+        for b, st in enumerate(seqs):
+            self.runner.rollback(st.slot, glue_end[b])
+        if stats is not None:
+            stats.glue_seconds += t_glue - t0
+            stats.seconds += time.perf_counter() - t0
+            stats.branches += sum(len(x) for x in branches)
+        return out
+
+    def _tree(self, seqs, live, branches, depth_counts, glue_end, fanout) -> dict[int, CacheEntries]:
+        K = self.k
+        sub = [seqs[b] for b in live]
+        counts = torch.tensor([len(branches[b]) for b in live])  # [R] N_b
+        n_max = int(counts.max())
+        R = len(live)
+        depth = torch.zeros(R, n_max, dtype=torch.long)
+        for i, b in enumerate(live):
+            depth[i, : counts[i]] = torch.tensor([j for j, _ in branches[b]])
+        n_ctx = torch.tensor([len(st.committed) for st in sub])[:, None]  # [R, 1]
+        visible = n_ctx + depth  # [R, Nmax]: the branch sees cache positions [0, n + j)
+        ends = torch.tensor([glue_end[b] for b in live])[:, None]  # [R, 1]
+        col = torch.arange(n_max)[None, :]
+        valid = col < counts[:, None]  # [R, Nmax]
+        flat_rows = valid.nonzero()  # [Ntot, 2] (row, branch), row-major
+        flat_seq = [sub[int(i)] for i in flat_rows[:, 0]]
+        flat_ctx = (n_ctx[:, 0][flat_rows[:, 0]] + depth[flat_rows[:, 0], flat_rows[:, 1]])  # index of t
+
+        tokens = torch.zeros(R, n_max, K, dtype=torch.long)
+        q = torch.zeros(R, n_max, K, self.vocab)
+        feed = [[t for _, t in branches[b]] for b in live]
+        for step in range(K):
+            length = ends + step * counts[:, None]  # [R, 1] slot length before this step
+            L = int((length[:, 0] + counts).max())
+            keys = torch.arange(L)[None, None, :]
+            mask = keys < visible[:, :, None]  # [R, Nmax, L]
+            for s in range(step + 1):
+                own = (ends + s * counts[:, None] + col).clamp(max=L - 1)  # [R, Nmax]
+                mask |= keys == own[:, :, None]
+            positions = visible + step  # [R, Nmax]
+            logits = self.runner.extend([st.slot for st in sub], feed, positions=positions, mask=mask)
+            drawn, qs = self.sample(flat_seq, logits[flat_rows[:, 0], flat_rows[:, 1]], flat_ctx + step + 1,
+                                    _at(fanout, step))
+            tokens[flat_rows[:, 0], flat_rows[:, 1], step] = drawn
+            q[flat_rows[:, 0], flat_rows[:, 1], step] = qs
+            grid = tokens[:, :, step].tolist()
+            feed = [grid[i][: int(counts[i])] for i in range(R)]
+
+        out = {}
+        for i, b in enumerate(live):
+            n = int(counts[i])
+            index = {jt: r for r, jt in enumerate(branches[b])}
+            out[seqs[b].seq_id] = CacheEntries(tokens[i, :n].clone(), q[i, :n].clone(), index, depth_counts[b])
+        return out
+
+
+def _at(fanout: Sequence[int], i: int) -> int:
+    return int(fanout[i]) if 0 <= i < len(fanout) else 0

@@ -1,0 +1,166 @@
+"""Weight updates reaching the engine: in process and through a weight_sync receiver.
+
+Exactness: after updates the engine's parameters are bitwise the learner's and its greedy rollouts
+and logprobs equal transformers' on the learner's weights; an update that arrives while `sample`
+runs is applied between rounds, and each rollout reports the versions its tokens were verified under.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig
+from rollout_ssd.models.loader import load_pretrained
+from rollout_ssd.weight_sync import InProcessTransport, SenderConfig, WeightReceiver, WeightSender
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14]]
+
+
+@pytest.fixture()
+def setup(tmp_path):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, eos_token_id=None, bos_token_id=None)
+    hf = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(8.0)
+    hf.save_pretrained(tmp_path / "m")
+    loaded = load_pretrained(str(tmp_path / "m"), dtype="float32")
+    return hf, loaded
+
+
+def _perturb(hf, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+def _hf_greedy(hf, prompt, n):
+    """Greedy continuation by full forwards (no generate(): it would treat a pad-id token as padding)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def _named(hf):
+    return [(k, v.detach().clone()) for k, v in hf.state_dict().items() if k != "lm_head.weight"
+            or not hf.config.tie_word_embeddings]
+
+
+def test_update_weights_in_process(setup):
+    hf, loaded = setup
+    engine = RolloutEngine(loaded, SpecConfig(method="ar"), EngineConfig(max_batch_size=2, max_model_len=64))
+    _perturb(hf, 0.05, seed=1)
+    engine.update_weights(_named(hf), version=3)
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    rollouts = engine.sample(PROMPTS, params)
+    for prompt, r in zip(PROMPTS, rollouts):
+        assert r.token_ids == _hf_greedy(hf, prompt, 12)
+        assert r.weight_version == 3
+    assert engine.metrics()["sync/version"] == 3
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("unknown", "unknown tensor"), ("shape", "shape"), ("nan", "NaN"), ("version", "version"),
+])
+def test_bad_updates_rejected_and_old_version_serves(setup, bad, match):
+    hf, loaded = setup
+    engine = RolloutEngine(loaded, SpecConfig(method="ar"), EngineConfig(max_batch_size=2, max_model_len=64))
+    engine.update_weights(_named(hf), version=1)
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    before = [r.token_ids for r in engine.sample(PROMPTS, params)]
+    state = dict(_named(hf))
+    name = "model.layers.0.mlp.up_proj.weight"
+    version = 2
+    state[name] = state[name] + 1.0  # would change the outputs if it were applied
+    if bad == "unknown":
+        state["model.layers.9.mlp.up_proj.weight"] = state[name]
+    elif bad == "shape":
+        state[name] = state[name][:, :-1]
+    elif bad == "nan":
+        state[name] = state[name].clone()
+        state[name][0, 0] = float("nan")
+    else:
+        version = 1
+    with pytest.raises(ValueError, match=match):
+        engine.update_weights(list(state.items()), version=version)
+    after = engine.sample(PROMPTS, params)
+    assert [r.token_ids for r in after] == before
+    assert all(r.weight_version == 1 for r in after)
+
+
+@pytest.mark.parametrize("method", ["ar", "sd"])
+def test_update_during_sample_applies_between_rounds(setup, method):
+    """An update issued mid-sample (here: from inside round 3) takes effect at the next round; tokens
+    before it follow the old weights, tokens after it the new ones, exactly (greedy)."""
+    hf, loaded = setup
+    engine = RolloutEngine(loaded, SpecConfig(method=method, k=3), EngineConfig(max_batch_size=4, max_model_len=64),
+                           draft=loaded if method == "sd" else None)
+    old = {k: v.clone() for k, v in hf.state_dict().items()}
+    _perturb(hf, 0.05, seed=7)
+    new_state = _named(hf)
+    rounds = {"n": 0, "lens": None}
+    real_step = engine.strategy.step
+
+    def step(running):
+        emitted = real_step(running)
+        rounds["n"] += 1
+        if rounds["n"] == 3:
+            rounds["lens"] = [len(s.token_ids) for s in running]
+            engine.update_weights(new_state, version=5)
+            assert engine.weight_version == 0  # queued, not applied inside the round
+        return emitted
+
+    engine.strategy.step = step
+    rollouts = engine.sample(PROMPTS, SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True))
+    hf_old = LlamaForCausalLM(hf.config)
+    hf_old.load_state_dict(old)
+    for prompt, r, split in zip(PROMPTS, rollouts, rounds["lens"]):
+        assert r.token_ids[:split] == _hf_greedy(hf_old, prompt, split)
+        assert r.token_ids[split:] == _hf_greedy(hf, prompt + r.token_ids[:split], 16 - split)
+        assert r.weight_version == 5 and r.extra["weight_versions"] == [0, 5]
+
+
+def test_receiver_twenty_updates_full_and_delta_bitwise(setup):
+    """20 learner updates through WeightSender -> InProcessTransport -> the engine's receiver, mixing
+    full and delta transfers: the engine's parameters are bitwise the learner's after each one, and
+    its logprobs equal transformers' on the learner's weights."""
+    hf, loaded = setup
+    engine = RolloutEngine(loaded, SpecConfig(method="ar"), EngineConfig(max_batch_size=2, max_model_len=64))
+    transport = InProcessTransport(num_receivers=1)
+    receiver = WeightReceiver(transport.receiver(0), version=0)
+    engine.attach_receiver(receiver)
+    sender = WeightSender(transport, SenderConfig(dtype=torch.float32, bucket_bytes=1 << 14))
+    kinds = set()
+    for version in range(1, 21):
+        # small steps touch few elements (delta); every 5th is a large step that flips to full
+        if version % 5 == 0:
+            _perturb(hf, 0.02, seed=version)
+        else:
+            with torch.no_grad():
+                w = hf.model.layers[version % 2].mlp.up_proj.weight
+                w[version % w.shape[0], :4] += 0.01
+        stats = sender.sync(_named(hf), version, timeout=30.0)
+        kinds.add(stats.kind)
+        deadline = time.time() + 30
+        while engine.weight_version != version and time.time() < deadline:
+            time.sleep(0.01)
+        assert engine.weight_version == version
+        ours = engine.target.model.hf_parameters()
+        for name, tensor in _named(hf):
+            assert torch.equal(ours[name].view(torch.int32), tensor.view(torch.int32)), name
+    assert {"full", "delta"} <= kinds
+    r = engine.sample([PROMPTS[0]], SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True, seed=3))[0]
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPTS[0] + r.token_ids])).logits[0, len(PROMPTS[0]) - 1:-1]
+    ref = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(r.token_ids)[:, None]).squeeze(1)
+    assert torch.allclose(torch.tensor(r.logprobs), ref, atol=1e-5, rtol=0)
+    assert r.weight_version == 20
+    engine.close()
