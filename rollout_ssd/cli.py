@@ -1,4 +1,9 @@
-"""Command line: `rollout-ssd demo` (the README's main job)."""
+"""Command line: `rollout-ssd demo` (the README's main job).
+
+The demo generates rollouts for a few built-in prompts on the embedded default with each decoding
+method available (AR; SD and SSD with the built-in draft when it is installed), prints the rollouts
+once and the methods' tokens/s, acceptance and hit rate side by side.
+"""
 
 from __future__ import annotations
 
@@ -14,21 +19,53 @@ DEMO_PROMPTS = [
 ]
 
 
+def _methods(requested: str) -> list[str]:
+    methods = [m.strip() for m in requested.split(",") if m.strip()]
+    for m in methods:
+        if m not in ("ar", "sd", "ssd"):
+            raise SystemExit(f"--methods: unknown method {m!r} (choose from ar, sd, ssd)")
+    return methods
+
+
 def demo(args) -> int:
     from rollout_ssd import RolloutEngine, SamplingParams, SpecConfig
+    from rollout_ssd.models.registry import resolve_draft
 
-    engine = RolloutEngine.from_pretrained(args.model, dtype=args.dtype, spec=SpecConfig(method="ar"))
     params = SamplingParams(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                             seed=args.seed, chat=True)
-    with engine:
-        rollouts = engine.sample(DEMO_PROMPTS, params, progress=True)
-        m = engine.metrics()
-    for r in rollouts:
-        print(f"--- prompt {r.prompt_index} sample {r.sample_index} ({len(r.token_ids)} tokens, {r.finish_reason})")
-        print(f"Q: {DEMO_PROMPTS[r.prompt_index]}")
-        print(f"A: {r.text.strip()}")
-    print(f"\nAR ({engine.target.model.dtype}): {m['rollout/tokens']} tokens in {m['rollout/seconds']:.1f} s "
-          f"= {m['rollout/tokens_per_s']:.1f} tokens/s")
+    rows, shown = [], False
+    for method in _methods(args.methods):
+        draft = None
+        if method != "ar":
+            try:
+                resolve_draft("default", args.model)
+                draft = "default"
+            except ValueError as err:
+                print(f"[{method}] skipped: {err}")
+                continue
+        try:
+            spec = SpecConfig(method=method, k=args.k)
+            engine = RolloutEngine.from_pretrained(args.model, draft=draft, dtype=args.dtype, spec=spec)
+        except ValueError as err:
+            print(f"[{method}] skipped: {err}")
+            continue
+        with engine:
+            rollouts = engine.sample(DEMO_PROMPTS, params, progress=True)
+            m = engine.metrics()
+        if not shown:
+            for r in rollouts:
+                print(f"--- prompt {r.prompt_index} sample {r.sample_index} ({len(r.token_ids)} tokens, {r.finish_reason})")
+                print(f"Q: {DEMO_PROMPTS[r.prompt_index]}")
+                print(f"A: {r.text.strip()}")
+            shown = True
+        rows.append((method, m))
+    print(f"\n{'method':<6} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'accept':>7} {'len/round':>9} {'hit rate':>8}")
+    for method, m in rows:
+        accept = m.get("spec/accept_rate")
+        hit = m.get("ssd/hit_rate")
+        print(f"{method:<6} {m['rollout/tokens']:>7} {m['rollout/seconds']:>8.1f} {m['rollout/tokens_per_s']:>9.1f} "
+              f"{'-' if accept is None else f'{accept:.2f}':>7} {m['rollout/tokens_per_round']:>9.2f} "
+              f"{'-' if hit is None else f'{hit:.2f}':>8}")
     return 0
 
 
@@ -37,9 +74,11 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="generate rollouts for a few built-in prompts on the embedded default")
     p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--methods", default="ar,sd,ssd", help="comma-separated: ar, sd, ssd")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--n", type=int, default=2)
-    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=demo)

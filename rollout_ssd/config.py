@@ -41,7 +41,7 @@ class SpecConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     """Batching and memory. max_batch_size: sequences decoded together (= KV slots).
-    max_model_len: prompt + generated tokens per sequence (default: the model's context, capped at 4096).
+    max_model_len: prompt + generated tokens per sequence (default: the model's context, capped at 2048).
     kv_cache_bytes: optional cap on the KV cache; max_batch_size is lowered to fit under it."""
 
     max_batch_size: int = 32

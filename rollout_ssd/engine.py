@@ -12,6 +12,7 @@ sequence by one round of the decode strategy; finished sequences free their slot
 from __future__ import annotations
 
 import logging
+import numbers
 import queue
 import threading
 import time
@@ -43,7 +44,10 @@ class RolloutEngine:
         self.spec = spec
         self.config = engine
         cfg = target.model.cfg
-        max_len = engine.max_model_len or min(cfg.max_position_embeddings, 4096)
+        if engine.max_model_len is not None and engine.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"EngineConfig.max_model_len={engine.max_model_len} exceeds the model's context "
+                             f"(max_position_embeddings={cfg.max_position_embeddings})")
+        max_len = engine.max_model_len or min(cfg.max_position_embeddings, 2048)
         slots = engine.max_batch_size
         if engine.kv_cache_bytes is not None:
             per_slot = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, target.model.dtype) * max_len
@@ -244,16 +248,18 @@ class RolloutEngine:
                     ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
                 else:
                     ids = tok(p).input_ids
-            elif isinstance(p, (list, tuple)):
+            elif isinstance(p, Seq):
                 if params.chat:
                     raise ValueError(f"prompts[{i}]: chat=True needs text prompts, got token ids")
-                if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in p):
-                    raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab})")
-                ids = list(p)
+                if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) for t in p):
+                    raise ValueError(f"prompts[{i}] must hold integer token ids")
+                ids = [int(t) for t in p]
             else:
                 raise ValueError(f"prompts[{i}] must be a string or a list of token ids, got {type(p).__name__}")
             if not ids:
                 raise ValueError(f"prompts[{i}] is empty")
+            if not all(0 <= t < vocab for t in ids):
+                raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab})")
             if len(ids) >= self.max_model_len:
                 raise ValueError(f"prompts[{i}] has {len(ids)} tokens; the context holds {self.max_model_len} "
                                  f"(prompt plus at least one generated token)")
@@ -287,8 +293,8 @@ class RolloutEngine:
                     seq.slot = self.runner.allocate()
                     admitted.append(seq)
                 if admitted:
+                    running.extend(admitted)  # before the prefill, so a failure in it releases them too
                     produced += self._prefill(admitted)
-                    running.extend(admitted)
                 running = self._retire(running, bar)
                 if running:
                     produced += self.strategy.step(running)

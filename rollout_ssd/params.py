@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -35,8 +36,11 @@ class SamplingParams:
         if not isinstance(self.seed, int):
             raise ValueError(f"SamplingParams.seed must be an integer, got {self.seed!r}")
         if self.stop_token_ids is not None:
-            ids = tuple(self.stop_token_ids)
-            if any(not isinstance(t, int) or t < 0 for t in ids):
+            ids = self.stop_token_ids
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+                raise ValueError(f"SamplingParams.stop_token_ids must be a sequence of token ids, got {ids!r}")
+            ids = tuple(ids)
+            if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
                 raise ValueError(f"SamplingParams.stop_token_ids must be non-negative integers, got {ids!r}")
             object.__setattr__(self, "stop_token_ids", ids)
 

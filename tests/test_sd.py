@@ -94,9 +94,31 @@ def _exact_law(hf_model, prompt, steps, temperature, top_p, top_k):
     return law
 
 
+def _restricted_head(draft, token_ids):
+    """The same draft with its LM head cut to `token_ids` (a sparse q, as the default draft has)."""
+    import dataclasses
+
+    from rollout_ssd.models.decoder import Decoder
+    from rollout_ssd.models.loader import LoadedModel
+
+    src = draft.model
+    cfg = dataclasses.replace(src.cfg, head_vocab_size=len(token_ids), tie_word_embeddings=False)
+    model = Decoder(cfg, src.inv_freq, src.rope_scaling, dtype=src.dtype)
+    params, src_params = model.hf_parameters(), src.hf_parameters()
+    with torch.no_grad():
+        for name, tensor in params.items():
+            if name == "lm_head.weight":
+                tensor.copy_(src.lm_head[token_ids])
+            elif name == "lm_head.token_ids":
+                tensor.copy_(torch.tensor(token_ids))
+            else:
+                tensor.copy_(src_params[name])
+    return LoadedModel(model=model, hf_config=draft.hf_config, tokenizer=None, source="restricted")
+
+
 @pytest.mark.parametrize("speculator,temperature,top_p,top_k", [
     ("draft", 1.0, 1.0, 0), ("draft", 0.7, 0.9, 0), ("suffix", 1.0, 1.0, 0), ("random", 0.7, 0.9, 0),
-    ("draft", 1.0, 1.0, 2),
+    ("draft", 1.0, 1.0, 2), ("sparse", 1.0, 1.0, 0), ("sparse", 0.7, 0.9, 0),
 ])
 def test_sd_law_matches_target(tmp_path, speculator, temperature, top_p, top_k):
     """Empirical law of 4-token continuations under SD vs the exact enumerated target law (the first
@@ -109,6 +131,8 @@ def test_sd_law_matches_target(tmp_path, speculator, temperature, top_p, top_k):
     hf_target.save_pretrained(tmp_path / "t")
     target = load_pretrained(str(tmp_path / "t"), dtype="float32")
     draft, _ = _tiny(tmp_path, "d", 4, 16, 1, seed=4)  # an unrelated model: far from the target
+    if speculator == "sparse":  # q on 2 of the 4 tokens only: the other two are never proposed
+        draft, speculator = _restricted_head(draft, [0, 2]), "draft"
     prompt = [1, 2, 3]
     n = 4000
     eng = RolloutEngine(target, SpecConfig(method="sd", k=2, speculator=speculator),

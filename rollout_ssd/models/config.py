@@ -64,6 +64,7 @@ def model_config_from_hf(hf_config) -> ModelConfig:
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"config.model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
+    _refuse_sliding_window(hf_config)
     num_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     eos = _eos_ids(getattr(hf_config, "eos_token_id", None))
@@ -89,6 +90,21 @@ def model_config_from_hf(hf_config) -> ModelConfig:
         head_vocab_size=getattr(hf_config, "head_vocab_size", None),
         shares_target_embedding=bool(getattr(hf_config, "shares_target_embedding", False)),
     )
+
+
+def _refuse_sliding_window(hf_config) -> None:
+    """Sliding-window layers (Qwen2/Qwen3 with use_sliding_window) are not implemented: refuse them
+    rather than silently attending over the whole context."""
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        sliding = any(t != "full_attention" for t in layer_types)
+    else:
+        sliding = bool(getattr(hf_config, "use_sliding_window", False))
+    if sliding and getattr(hf_config, "sliding_window", None):
+        raise ValueError(
+            f"config.use_sliding_window / layer_types: sliding-window attention (window "
+            f"{hf_config.sliding_window}) is not supported; only full attention is"
+        )
 
 
 def rope_inv_freq(hf_config) -> tuple[torch.Tensor, float]:

@@ -1,0 +1,229 @@
+"""Our decoder and runner against transformers: logits, KV-cache bookkeeping, and the GGUF loader.
+
+Metric throughout: relative error = max |ours - reference| / max |reference| over every logit compared.
+float32 bound 1e-5 on tiny random models (the two implementations do the same float32 ops, in a
+different order: fused q/k/v, masked SDPA over a padded cache), 1e-4 on SmolLM2 (30 layers deep).
+
+Tiny models (tests/tiny_models.py) cover GQA and MHA, tied and untied embeddings, q/k/v biases (Qwen2),
+q/k norm with head_dim != hidden / heads (Qwen3) and the linear, llama3 and yarn rope scalings. The
+reference for a ragged batch, a tree append or a rollback is transformers run on each row's plain linear
+sequence, unpadded.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rollout_ssd.models.config import rope_inv_freq
+from rollout_ssd.models.loader import build_decoder, load_pretrained
+from rollout_ssd.runner import ModelRunner
+from tests.tiny_models import FAMILIES, build_tiny, hf_default_model, hf_logits, rel_err
+
+TOL_F32 = 1e-5
+TOL_F32_DEFAULT = 1e-4
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def tiny(request, tmp_path_factory):
+    """(transformers model, our LoadedModel) for one tiny family, float32."""
+    path = tmp_path_factory.mktemp(request.param)
+    hf = build_tiny(path, request.param, seed=11)
+    return hf, load_pretrained(str(path), dtype="float32")
+
+
+def _random_ids(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _runner(loaded, num_slots: int = 4, max_len: int = 64) -> ModelRunner:
+    return ModelRunner(loaded.model, num_slots=num_slots, max_len=max_len)
+
+
+# ---- tiny random models ------------------------------------------------------------------------
+
+
+def test_rope_scaling_is_not_vacuous(tiny):
+    """The scaled families really get non-default frequencies (else they would test nothing new)."""
+    hf, loaded = tiny
+    rope_type = hf.config.rope_parameters.get("rope_type", "default")
+    default = copy.deepcopy(hf.config)
+    default.rope_parameters = {"rope_type": "default", "rope_theta": hf.config.rope_parameters["rope_theta"]}
+    inv_default, _ = rope_inv_freq(default)
+    changed = not torch.equal(loaded.model.inv_freq, inv_default) or loaded.model.rope_scaling != 1.0
+    assert changed == (rope_type != "default")
+
+
+def test_ragged_prefill_matches_hf(tiny):
+    """Several prompts of different lengths in one forward, written to non-contiguous slots: every
+    position's logits (extend) and the last ones (prefill) match transformers on each prompt alone."""
+    hf, loaded = tiny
+    vocab = hf.config.vocab_size
+    prompts = [_random_ids(n, vocab, seed=n) for n in (7, 1, 12, 4)]
+    runner = _runner(loaded, num_slots=8)
+    slots = [runner.allocate() for _ in range(8)]
+    refs = [hf_logits(hf, p) for p in prompts]
+
+    full = runner.extend([slots[5], slots[2], slots[7], slots[0]], prompts)  # [B, T, V]
+    for b, (p, ref) in enumerate(zip(prompts, refs)):
+        assert rel_err(full[b, : len(p)], ref) <= TOL_F32, f"row {b}"
+
+    last = runner.prefill([slots[1], slots[3], slots[4], slots[6]], prompts)  # [B, V]
+    assert rel_err(last, torch.stack([r[-1] for r in refs])) <= TOL_F32
+    assert [runner.length(s) for s in slots] == [4, 7, 1, 1, 12, 7, 4, 12]
+
+    # decode steps on the prefilled rows: one token per row, ragged cache lengths
+    seqs = [list(p) for p in prompts]
+    for step in range(3):
+        new = _random_ids(len(prompts), vocab, seed=100 + step)
+        logits = runner.decode([slots[1], slots[3], slots[4], slots[6]], new)
+        for seq, t in zip(seqs, new):
+            seq.append(t)
+        ref = torch.stack([hf_logits(hf, s)[-1] for s in seqs])
+        assert rel_err(logits, ref) <= TOL_F32, f"decode step {step}"
+
+
+def test_tree_append_matches_hf(tiny):
+    """A multi-token append with explicit positions and a tree mask: siblings b1 and b2 both follow a
+    (same position), b2 does not see b1, c follows b2. Each token's logits equal transformers' on the
+    linear sequence of its ancestors. Rows are ragged (4 and 3 new tokens, prefixes 5 and 9)."""
+    hf, loaded = tiny
+    vocab = hf.config.vocab_size
+    prefixes = [_random_ids(5, vocab, seed=1), _random_ids(9, vocab, seed=2)]
+    trees = [_random_ids(4, vocab, seed=3), _random_ids(3, vocab, seed=4)]  # [a, b1, b2, (c)]
+    runner = _runner(loaded)
+    slots = [runner.allocate(), runner.allocate()]
+    runner.prefill(slots, prefixes)
+
+    t_max, length = 4, max(len(p) + len(t) for p, t in zip(prefixes, trees))
+    positions = torch.zeros(2, t_max, dtype=torch.long)
+    mask = torch.zeros(2, t_max, length, dtype=torch.bool)
+    path = [[0], [0, 1], [0, 2], [0, 2, 3]]  # each node's ancestors and itself: a, a-b1, a-b2, a-b2-c
+    for b, (prefix, tree) in enumerate(zip(prefixes, trees)):
+        p = len(prefix)
+        for i in range(len(tree)):
+            mask[b, i, :p] = True
+            mask[b, i, [p + j for j in path[i]]] = True
+            positions[b, i] = p + len(path[i]) - 1
+    logits = runner.extend(slots, trees, positions=positions, mask=mask)  # [B, T, V]
+
+    for b, (prefix, tree) in enumerate(zip(prefixes, trees)):
+        a, b1, b2 = tree[:3]
+        on_b2 = hf_logits(hf, prefix + [a, b2] + tree[3:])[len(prefix):]  # a, b2[, c]
+        on_b1 = hf_logits(hf, prefix + [a, b1])[-1]
+        assert rel_err(logits[b, 0], on_b2[0]) <= TOL_F32, f"row {b}: a"
+        assert rel_err(logits[b, 1], on_b1) <= TOL_F32, f"row {b}: b1"
+        assert rel_err(logits[b, 2], on_b2[1]) <= TOL_F32, f"row {b}: b2"
+        if len(tree) == 4:
+            assert rel_err(logits[b, 3], on_b2[2]) <= TOL_F32, f"row {b}: c"
+        # the mask mattered: b2 seeing b1 would give other logits
+        assert rel_err(logits[b, 2], hf_logits(hf, prefix + [a, b1, b2])[-1]) > 1e-3
+    assert runner.length(slots[0]) == 9 and runner.length(slots[1]) == 12
+
+
+def test_rollback_then_append_equals_fresh_run(tiny):
+    """Append, roll back (into the appended tokens, and into the prompt), append other tokens: the
+    logits equal a fresh run of the resulting sequence, and a neighbouring row is untouched."""
+    hf, loaded = tiny
+    vocab = hf.config.vocab_size
+    prompt, other = _random_ids(6, vocab, seed=5), _random_ids(4, vocab, seed=6)
+    x, y, z, u, v, w = _random_ids(6, vocab, seed=7)
+    runner = _runner(loaded)
+    slot, neighbour = runner.allocate(), runner.allocate()
+    runner.prefill([slot, neighbour], [prompt, other])
+    runner.extend([slot], [[x, y, z]])
+    runner.rollback(slot, len(prompt) + 1)  # keep x, forget y, z
+    assert runner.length(slot) == len(prompt) + 1
+    logits = runner.extend([slot, neighbour], [[u, v], [w]])
+    assert rel_err(logits[0, :2], hf_logits(hf, prompt + [x, u, v])[-2:]) <= TOL_F32
+    assert rel_err(logits[1, 0], hf_logits(hf, other + [w])[-1]) <= TOL_F32
+
+    runner.rollback(slot, 3)  # into the prompt
+    logits = runner.extend([slot], [[w, u]])
+    assert rel_err(logits[0], hf_logits(hf, prompt[:3] + [w, u])[-2:]) <= TOL_F32
+    with pytest.raises(ValueError, match="length"):
+        runner.rollback(slot, runner.length(slot) + 1)
+
+
+# ---- the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ---------------------------------------
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village by the sea,"]
+
+
+@pytest.fixture(scope="module")
+def hf_default():
+    return hf_default_model()
+
+
+def test_default_state_dict_matches_transformers_gguf(default_model_f32, hf_default):
+    """Our dequantized tensors equal transformers' (q/k rows un-permuted from llama.cpp's layout)."""
+    ours = default_model_f32.model.hf_parameters()
+    theirs = hf_default.state_dict()
+    assert set(ours) == set(theirs) - {"lm_head.weight"}  # tied: our lm_head is the embedding
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                 "model.layers.29.self_attn.q_proj.weight", "model.layers.17.self_attn.k_proj.weight"):
+        assert torch.equal(ours[name], theirs[name]), name
+    for name, tensor in ours.items():
+        torch.testing.assert_close(tensor, theirs[name], rtol=0, atol=1e-6, msg=name)
+    assert torch.equal(default_model_f32.model.lm_head, theirs["lm_head.weight"])
+
+
+def _default_batch(loaded):
+    return [loaded.tokenizer(p).input_ids for p in PROMPTS]
+
+
+def test_default_fp32_logits_match_transformers_gguf(default_model_f32, hf_default):
+    """Ragged prefill of three prompts (all positions), then two batched decode steps, float32."""
+    prompts = _default_batch(default_model_f32)
+    runner = _runner(default_model_f32, num_slots=3, max_len=64)
+    slots = [runner.allocate() for _ in prompts]
+    full = runner.extend(slots, prompts)
+    seqs = [list(p) for p in prompts]
+    for b, p in enumerate(prompts):
+        assert rel_err(full[b, : len(p)], hf_logits(hf_default, p)) <= TOL_F32_DEFAULT, f"row {b}"
+    for step in range(2):
+        new = [int(full[b, len(s) - 1].argmax()) for b, s in enumerate(seqs)] if step == 0 else [28, 29, 30]
+        logits = runner.decode(slots, new)
+        for s, t in zip(seqs, new):
+            s.append(t)
+        ref = torch.stack([hf_logits(hf_default, s)[-1] for s in seqs])
+        assert rel_err(logits, ref) <= TOL_F32_DEFAULT, f"decode step {step}"
+
+
+def test_default_bf16_logits_within_bf16_rounding(default_model_f32, hf_default):
+    """bfloat16 against the float32 reference (transformers, float32) and transformers' own bfloat16.
+
+    Measured (8 prompts, 106 positions, logits up to |39|): max |ours_bf16 - f32| 1.34 and
+    max |hf_bf16 - f32| 1.34 (both grow with prompt length), max |ours_bf16 - hf_bf16| 1.03 (0.69 on
+    the three prompts here), mean |ours_bf16 - f32| 0.12-0.25; the argmax flipped at 2 of 106
+    positions, both where float32's top-2 margin was < 0.07, and transformers' bf16 flipped at 2 too.
+    Bounds: (1) our max error against float32 is at most 2x transformers' bf16 max error (flash-attention's
+    rule); (2) max |ours_bf16 - hf_bf16| <= 1.5 and mean |ours_bf16 - f32| <= 0.35; (3) the argmax equals
+    float32's wherever float32's top-2 margin exceeds 1.0, i.e. bf16 may flip near-ties only.
+
+    Our bf16 model is `build_decoder(config, float32 state, bfloat16)`: exactly what
+    load_pretrained(dtype="bfloat16") builds (the GGUF is dequantized to float32, then cast), without
+    parsing the GGUF again. transformers' is its float32 GGUF model cast the same way."""
+    ours = copy.copy(default_model_f32)
+    ours.model = build_decoder(default_model_f32.hf_config, default_model_f32.model.hf_parameters(), torch.bfloat16)
+    assert ours.model.embed.dtype == torch.bfloat16
+    hf_bf16 = copy.deepcopy(hf_default).to(torch.bfloat16)
+    prompts = _default_batch(default_model_f32)
+    runner = _runner(ours, num_slots=3, max_len=64)
+    full = runner.extend([runner.allocate() for _ in prompts], prompts)
+    ours_err = hf_err = cross = 0.0
+    for b, p in enumerate(prompts):
+        ref = hf_logits(hf_default, p)
+        theirs = hf_logits(hf_bf16, p)
+        mine = full[b, : len(p)]
+        ours_err = max(ours_err, float((mine - ref).abs().max()))
+        hf_err = max(hf_err, float((theirs - ref).abs().max()))
+        cross = max(cross, float((mine - theirs).abs().max()))
+        assert float((mine - ref).abs().mean()) <= 0.35, f"row {b}"
+        top2 = ref.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 1.0
+        assert torch.equal(mine.argmax(-1)[clear], ref.argmax(-1)[clear]), f"row {b}"
+    assert ours_err <= 2 * hf_err, (ours_err, hf_err)
+    assert cross <= 1.5, cross
