@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Optional, Union
 
 METHODS = ("ar", "sd", "ssd")
 SPECULATORS = ("draft", "suffix", "random")
@@ -21,21 +21,42 @@ def reject_unknown(cls, options: dict) -> None:
 class SpecConfig:
     """How to speculate. method "ar" (none), "sd" (speculative decoding) or "ssd" (SSD).
 
-    k: draft tokens per round. speculator: what proposes in SD ("draft" = the neural draft model,
+    k: draft tokens per round. speculator (SD): what proposes ("draft" = the neural draft model,
     "suffix" = suffix/n-gram matching over the prompt, the sequence and its siblings, "random").
+    SSD knobs, by name (see `rollout_ssd.ssd.config.SSDConfig` for their meaning): fanout (None =
+    Theorem 12 from live estimates, or a manual F_0..F_k), budget, C (Saguaro, or "adaptive"),
+    backup ("neural" | "suffix" | "random"), strategy_rule (pick SSD/SD/suffix/AR per batch by
+    Theorem 17), worker (the draft in its own process).
     """
 
     method: str = "ar"
     k: int = 4
     speculator: str = "draft"
+    fanout: Optional[tuple[int, ...]] = None
+    budget: Optional[int] = None
+    C: Union[float, str] = 1.0
+    backup: str = "neural"
+    strategy_rule: bool = True
+    worker: bool = True
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"SpecConfig.method must be one of {METHODS}, got {self.method!r}")
-        if not isinstance(self.k, int) or self.k < 1:
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
             raise ValueError(f"SpecConfig.k must be an integer >= 1, got {self.k!r}")
         if self.speculator not in SPECULATORS:
             raise ValueError(f"SpecConfig.speculator must be one of {SPECULATORS}, got {self.speculator!r}")
+        if self.method == "ssd":
+            self.ssd_config()  # validates the SSD knobs now, naming the field
+
+    def ssd_config(self):
+        from rollout_ssd.ssd.config import SSDConfig
+
+        try:
+            return SSDConfig(k=self.k, fanout=self.fanout, budget=self.budget, C=self.C, backup=self.backup,
+                             strategy_rule=self.strategy_rule, worker=self.worker)
+        except ValueError as err:
+            raise ValueError(str(err).replace("SSDConfig.", "SpecConfig.")) from None
 
 
 @dataclass(frozen=True)

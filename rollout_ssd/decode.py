@@ -38,6 +38,9 @@ class DecodeStrategy(ABC):
     def step(self, running: list[Sequence]) -> int:
         """Advance every running sequence by one round; returns tokens emitted."""
 
+    def before_prefill(self, seqs: list[Sequence]) -> None:
+        """Called before the target prefills new sequences (an SSD worker prefills its draft meanwhile)."""
+
     def on_admit(self, seqs: list[Sequence]) -> None:
         """Called after the target prefilled new sequences (drafts prefill here)."""
 

@@ -11,6 +11,7 @@ sequence by one round of the decode strategy; finished sequences free their slot
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import numbers
 import queue
@@ -95,15 +96,27 @@ class RolloutEngine:
             from rollout_ssd.spec.sd import SDDecode
 
             return SDDecode(self.runner, self._make_speculator(spec, draft), spec.k, self.stats)
-        raise ValueError(f"SpecConfig.method {spec.method!r} is not available in this build")
+        if draft is None:
+            raise ValueError("SpecConfig.method='ssd' needs a draft model (draft=...)")
+        self._check_draft(draft)
+        from rollout_ssd.ssd.decode import SSDDecode
+
+        ssd = spec.ssd_config()
+        backup = None
+        if ssd.backup != "neural":
+            backup = self._make_speculator(dataclasses.replace(spec, method="sd", speculator=ssd.backup), draft)
+        return SSDDecode(self.runner, draft.model, ssd, self.stats, backup=backup, max_model_len=self.max_model_len)
+
+    def _check_draft(self, draft: LoadedModel) -> None:
+        if draft.model.cfg.vocab_size != self.target.model.cfg.vocab_size:
+            raise ValueError(f"draft vocab_size {draft.model.cfg.vocab_size} differs from the target's "
+                             f"{self.target.model.cfg.vocab_size}: they must share a tokenizer")
 
     def _make_speculator(self, spec: SpecConfig, draft: Optional[LoadedModel]):
         if spec.speculator == "draft":
             if draft is None:
                 raise ValueError("SpecConfig.speculator='draft' needs a draft model (draft=...)")
-            if draft.model.cfg.vocab_size != self.target.model.cfg.vocab_size:
-                raise ValueError(f"draft vocab_size {draft.model.cfg.vocab_size} differs from the target's "
-                                 f"{self.target.model.cfg.vocab_size}: they must share a tokenizer")
+            self._check_draft(draft)
             from rollout_ssd.spec.draft_model import DraftModelSpeculator
 
             return DraftModelSpeculator(draft.model, self.runner.cache.num_slots, self.max_model_len)
@@ -313,6 +326,7 @@ class RolloutEngine:
         self.stats.add_time(time.perf_counter() - start, produced)
 
     def _prefill(self, seqs: list[Sequence]) -> int:
+        self.strategy.before_prefill(seqs)
         logits = self.runner.prefill([s.slot for s in seqs], [s.prompt_token_ids for s in seqs])
         self.strategy.on_admit(seqs)
         tokens, logprobs = sample_rows(seqs, logits)

@@ -30,6 +30,14 @@ class EngineMetrics:
     syncs: int = 0
     sync_seconds: float = 0.0
     sync_bytes: int = 0
+    # SSD (ssd/decode.py): sequence-rounds that asked for a chain under an SSD strategy, those served
+    # from the speculation cache, and those whose sequence had a cache built (the others are cold).
+    ssd_rounds: int = 0
+    ssd_hits: int = 0
+    ssd_warm: int = 0
+    ssd_worker_failures: int = 0
+    ssd_strategy_rounds: dict = field(default_factory=dict)  # strategy -> batch rounds
+    ssd_state: dict = field(default_factory=dict)  # latest ssd/fanout, T_p, T_b, b_star, ...
 
     def add_time(self, seconds: float, tokens: int) -> None:
         self.seconds += seconds
@@ -63,6 +71,16 @@ class EngineMetrics:
         self.sync_seconds += seconds
         self.sync_bytes += nbytes
 
+    def add_ssd_round(self, strategy: str, rounds: int, hits: int, warm: int) -> None:
+        self.ssd_strategy_rounds[strategy] = self.ssd_strategy_rounds.get(strategy, 0) + 1
+        self.ssd_rounds += rounds
+        self.ssd_hits += hits
+        self.ssd_warm += warm
+
+    def set_ssd_state(self, **values) -> None:
+        """Latest values of ssd/<name> (fanout, T_p, T_b, b_star, strategy, predicted_speedup, ...)."""
+        self.ssd_state.update(values)
+
     def reset(self) -> None:
         self.__init__()
 
@@ -75,6 +93,17 @@ class EngineMetrics:
         }
         if self.syncs:
             out.update({"sync/bytes": self.sync_bytes, "sync/seconds": self.sync_seconds, "sync/count": self.syncs})
+        if self.ssd_rounds or self.ssd_strategy_rounds:
+            out.update({
+                "ssd/hit_rate": self.ssd_hits / self.ssd_rounds if self.ssd_rounds else 0.0,
+                "ssd/hit_rate_warm": self.ssd_hits / self.ssd_warm if self.ssd_warm else 0.0,
+                "ssd/rounds": self.ssd_rounds,
+                "ssd/hits": self.ssd_hits,
+                "ssd/cold_rounds": self.ssd_rounds - self.ssd_warm,
+                "ssd/worker_failures": self.ssd_worker_failures,
+                "ssd/strategy_rounds": dict(self.ssd_strategy_rounds),
+            })
+            out.update({f"ssd/{name}": value for name, value in self.ssd_state.items()})
         if self.spec_rounds:
             total = self.draft_seconds + self.verify_seconds
             out.update({

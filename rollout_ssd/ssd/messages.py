@@ -17,7 +17,7 @@ and Ready (draft -> target, once, after loading).
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch

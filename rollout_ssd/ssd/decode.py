@@ -1,0 +1,412 @@
+"""SSDDecode: speculative speculative decoding as a decode strategy (THEORY.md §2).
+
+Round n for a batch, target side:
+  1. tell the draft side each sequence's verdict of round n-1 (k, t*) and get the chain for round n:
+     HIT (pre-drafted in the speculation cache), DRAFTED (the neural draft on demand: the neural backup,
+     and every sequence's first, cold round) or MISS (a fast backup speculator, suffix or random, covers it);
+  2. send the chains to the draft side, which builds the next cache from them (glue forward + branch
+     tree, ssd/tree.py); in the worker process this runs WHILE the target does step 3;
+  3. verify: one target forward over [last token, chain] per sequence and `verify` with the exact q
+     each chain was drawn from (a MixedDraft: dense q for neural chains, point masses for fast ones);
+  4. append, roll the target KV back; the verdict is remembered for step 1 of round n+1.
+Every chain is an ordinary SD proposal verified against its own q, so the output law is the target's on
+every path (hit, miss, fallback). Greedy: hits and misses give the same tokens as AR.
+
+Strategy: per batch the rule (ssd/strategy.py) scores ssd+neural, ssd+<fast backup>, sd, suffix and ar from
+live estimates and picks one (or always "ssd+<backup>" when the rule is off; the scores are still logged).
+Rounds that skip the draft side leave it behind; it catches up from the committed tokens (SYNC) the
+next time it is used.
+
+Faults: if the worker dies, times out or answers nonsense, we warn once, terminate it, and finish with
+an in-process neural draft (SD) or AR. Chains already received stay valid; a sequence whose chain did
+not arrive verifies an empty proposal (an AR step). Nothing is lost or duplicated: the target's
+sequences are the only record of committed tokens, and a fresh draft side is re-admitted from them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from rollout_ssd.decode import DecodeStrategy
+from rollout_ssd.metrics import EngineMetrics
+from rollout_ssd.models.decoder import Decoder
+from rollout_ssd.runner import ModelRunner
+from rollout_ssd.sequence import Sequence
+from rollout_ssd.spec.sd import SDDecode
+from rollout_ssd.spec.speculator import Speculator
+from rollout_ssd.spec.verify import DenseDraft, DraftDistribution, MixedDraft, PointDraft, SparseDraft
+from rollout_ssd.ssd.client import DraftClient, LocalDraftClient, WorkerFailure
+from rollout_ssd.ssd.config import SSDConfig
+from rollout_ssd.ssd.draft_server import DraftServer
+from rollout_ssd.ssd.fanout import FanoutConfig, FanoutPlan, FanoutPlanner
+from rollout_ssd.ssd.messages import (
+    DRAFTED,
+    HIT,
+    MISS,
+    SYNC,
+    AdmitRow,
+    AdmitSequences,
+    BuildCache,
+    BuildRow,
+    ChainReply,
+    ReleaseSequences,
+    VerdictRow,
+    Verdicts,
+)
+from rollout_ssd.ssd.rng import draft_key
+from rollout_ssd.ssd.strategy import EstimatesConfig, LiveEstimates, StrategyConfig, StrategyRule
+from rollout_ssd.ssd.tree import SaguaroRule
+
+log = logging.getLogger(__name__)
+
+USES_DRAFT = ("ssd+neural", "ssd+suffix", "ssd+random", "sd")
+
+
+@dataclass
+class _Track:
+    """What the target side knows about a sequence's draft-side view."""
+
+    seq_id: int
+    known: int  # committed tokens the draft side has (counting the pending verdict when `told`)
+    chain: list[int] = field(default_factory=list)
+    told: bool = False  # the draft side knows `chain`, so a verdict (k, t*) is enough
+    verdict: Optional[tuple[int, int]] = None
+
+
+@dataclass
+class _Round:
+    """One round's proposals and where they came from."""
+
+    chains: list[list[int]]
+    dists: list[DraftDistribution]
+    paths: list[str]  # "hit" | "neural" | "suffix" | "random" | "none"
+    reply: Optional[ChainReply] = None
+    warm: list[bool] = field(default_factory=list)  # a cache had been built for the sequence
+    cached: list[int] = field(default_factory=list)  # candidates cached at the realised depth
+    backup_seconds: float = 0.0
+
+
+class SSDDecode(DecodeStrategy):
+    def __init__(self, runner: ModelRunner, draft_model: Decoder, config: SSDConfig, stats: EngineMetrics,
+                 backup: Optional[Speculator] = None, max_model_len: Optional[int] = None):
+        if draft_model.cfg.vocab_size != runner.model.cfg.vocab_size:
+            raise ValueError(f"draft vocab_size {draft_model.cfg.vocab_size} differs from the target's "
+                             f"{runner.model.cfg.vocab_size}")
+        if config.backup != "neural" and backup is None:
+            raise ValueError(f"SSDConfig.backup={config.backup!r} needs its speculator (backup=...)")
+        self.runner = runner
+        self.draft_model = draft_model
+        self.config = config
+        self.k = config.k
+        self.stats = stats
+        self.backup = backup
+        self.num_slots = runner.cache.num_slots
+        self.max_model_len = max_model_len or runner.max_len
+        initial = config.budget or min(config.max_budget, 2 * (config.k + 1))
+        self.planner = FanoutPlanner(FanoutConfig(k=config.k, manual=config.fanout, budget=config.budget,
+                                                  max_budget=config.max_budget, initial_budget=initial))
+        self.estimates = LiveEstimates(EstimatesConfig(k=config.k))
+        self.default_strategy = "ssd+neural" if backup is None else f"ssd+{config.backup}"
+        candidates = ["ssd+neural", "sd", "ar"]
+        if backup is not None and config.backup in ("suffix", "random"):
+            candidates.insert(1, f"ssd+{config.backup}")
+            if config.backup == "suffix":
+                candidates.insert(3, "suffix")
+        self.rule = StrategyRule(StrategyConfig(candidates=tuple(candidates),
+                                                fixed=None if config.strategy_rule else self.default_strategy))
+        self.strategy = self.default_strategy
+        self.tracks: dict[int, _Track] = {}  # id(seq) -> track
+        self.live: dict[int, Sequence] = {}
+        self._next_id = 0
+        self._failed = False
+        self._warned = False
+        self._restarts = 0
+        self._prev_verify: Optional[float] = None
+        self._prev_budget = 0
+        self.client: Optional[DraftClient] = None
+        try:
+            self.client = self._start_client(worker=config.worker)
+        except WorkerFailure as err:  # a worker that cannot start is a failure like any other
+            self._fail(err)
+
+    # ------------------------------------------------------------------ draft side
+    def _local_server(self) -> DraftServer:
+        return DraftServer(self.draft_model, self.num_slots, self.max_model_len, self.k, self.config.max_branches,
+                           SaguaroRule(C=self.config.saguaro_c, c_min=self.config.c_min))
+
+    def _start_client(self, worker: bool) -> DraftClient:
+        if worker:
+            from rollout_ssd.ssd.worker import WorkerClient
+
+            return WorkerClient.start(self.draft_model, self.num_slots, self.max_model_len, self.config)
+        return LocalDraftClient(self._local_server())
+
+    def _admit_rows(self, seqs: list[Sequence]) -> AdmitSequences:
+        rows = []
+        for seq in seqs:
+            tr = self.tracks[id(seq)]
+            context = seq.all_token_ids[:-1] if seq.token_ids else list(seq.prompt_token_ids)
+            tr.known, tr.told, tr.verdict, tr.chain = len(context), False, None, []
+            p = seq.params
+            rows.append(AdmitRow(tr.seq_id, draft_key(p.seed, seq.prompt_index, seq.sample_index), float(p.temperature),
+                                 int(p.top_k), float(p.top_p), tuple(context)))
+        return AdmitSequences(tuple(rows))
+
+    def _fail(self, err: BaseException) -> None:
+        """The worker is gone: warn once, stop it, and continue with the fallback."""
+        if not self._warned:
+            self._warned = True
+            msg = (f"SSD draft worker failed ({err}); finishing with "
+                   f"{'an in-process neural draft (SD)' if self.config.fallback == 'sd' else 'AR'}")
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            log.warning(msg)
+        self.stats.ssd_worker_failures += 1
+        if self.client is not None:
+            self.client.close()
+        self.client = None
+        self._failed = True
+        if self.config.fallback == "sd":
+            self.client = LocalDraftClient(self._local_server())
+            if self.live:
+                self.client.send(self._admit_rows(list(self.live.values())))
+
+    def restart_worker(self) -> None:
+        """Start a fresh draft worker (or in-process draft side) and re-admit every live sequence."""
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        try:
+            self.client = self._start_client(worker=self.config.worker)
+            if self.live:
+                self.client.send(self._admit_rows(list(self.live.values())))
+            self._failed = False
+        except WorkerFailure as err:
+            self._fail(err)
+
+    def _send(self, msg) -> bool:
+        if self.client is None:
+            return False
+        try:
+            self.client.send(msg)
+            return True
+        except WorkerFailure as err:
+            self._fail(err)
+            return False
+
+    # ------------------------------------------------------------------ lifecycle
+    def before_prefill(self, seqs: list[Sequence]) -> None:
+        """Admit to the draft side before the target prefills, so the worker's prefill overlaps the
+        target's (an engine hook; without it `on_admit` does the same after the target's prefill)."""
+        self.on_admit(seqs)
+
+    def on_admit(self, seqs: list[Sequence]) -> None:
+        seqs = [s for s in seqs if id(s) not in self.tracks]  # already admitted by before_prefill
+        if not seqs:
+            return
+        if self._failed and self.config.worker and self._restarts < self.config.max_restarts:
+            self._restarts += 1
+            log.warning("SSD: restarting the draft worker (restart %d of %d)", self._restarts, self.config.max_restarts)
+            self.restart_worker()
+        for seq in seqs:
+            self.tracks[id(seq)] = _Track(self._next_id, 0)
+            self.live[id(seq)] = seq
+            self._next_id += 1
+        if self.client is not None:
+            self._send(self._admit_rows(seqs))
+        if self.backup is not None:
+            self.backup.on_admit(seqs)
+
+    def on_release(self, seq: Sequence) -> None:
+        tr = self.tracks.pop(id(seq), None)
+        self.live.pop(id(seq), None)
+        if tr is not None:
+            self._send(ReleaseSequences((tr.seq_id,)))
+        if self.backup is not None:
+            self.backup.on_release(seq)
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if self.backup is not None:
+            self.backup.close()
+
+    # ------------------------------------------------------------------ one round
+    def step(self, running: list[Sequence]) -> int:
+        t0 = time.perf_counter()
+        plan = self.planner.plan()
+        strategy = self._choose(len(running))
+        ks = [max(0, min(self.k, s.budget - 1)) for s in running]
+        rnd = self._propose(running, ks, strategy, plan)
+        told = False
+        if rnd.reply is not None and self.client is not None:  # the draft side that answered hears the chains
+            build = strategy.startswith("ssd+")
+            rows = tuple(BuildRow(self.tracks[id(s)].seq_id, tuple(c), build and k > 0)
+                         for s, c, k in zip(running, rnd.chains, ks))
+            told = self._send(BuildCache(rows, plan.fanout))
+        t2 = time.perf_counter()
+        result = SDDecode.verify_round(self, running, rnd.chains, MixedDraft(rnd.dists))  # uses self.runner only
+        t3 = time.perf_counter()
+
+        emitted = 0
+        accepted = result.num_accepted.tolist()
+        bonus = result.tokens.gather(1, result.num_accepted[:, None]).squeeze(1).tolist()
+        for i, seq in enumerate(running):
+            n = int(result.num_emitted[i])
+            emitted += seq.append(result.tokens[i, :n].tolist(), result.logprobs[i, :n].tolist())
+            if not seq.finished:
+                self.runner.rollback(seq.slot, seq.num_tokens - 1)
+            tr = self.tracks[id(seq)]
+            tr.chain, tr.told, tr.verdict = rnd.chains[i], told, (accepted[i], bonus[i])
+        if self.backup is not None:
+            self.backup.on_verified(running, accepted)
+        t4 = time.perf_counter()
+        self.stats.add_spec_round(
+            proposed=[len(c) for c in rnd.chains], accepted=accepted, rejected=result.rejected.tolist(),
+            emitted=emitted, draft_seconds=(t2 - t0) + (t4 - t3), verify_seconds=t3 - t2,
+        )
+        self._observe(strategy, plan, rnd, ks, accepted, result.rejected.tolist(), t3 - t2)
+        return emitted
+
+    def _choose(self, batch: int) -> str:
+        if self._failed:
+            return "sd" if self.client is not None else "ar"
+        try:
+            inputs = self.estimates.inputs(batch)
+        except ValueError:  # nothing measured yet
+            return self.default_strategy
+        decision = self.rule.decide(inputs, current=self.strategy)
+        if decision.chosen != self.strategy:
+            log.info("SSD strategy %s -> %s (b=%d, p_hit=%.3f, scores %s, b*=%.3g)", self.strategy, decision.chosen,
+                     batch, inputs.p_hit, {k: round(v, 2) for k, v in decision.scores.items()}, decision.b_star)
+        log.debug("SSD strategy %s: inputs %s", decision.chosen, inputs)
+        self.strategy = decision.chosen
+        self.stats.set_ssd_state(strategy=decision.chosen, b_star=decision.b_star,
+                                 predicted_speedup=decision.predicted_speedup, scores=dict(decision.scores),
+                                 p_hit_estimate=inputs.p_hit)
+        return decision.chosen
+
+    def _propose(self, running: list[Sequence], ks: list[int], strategy: str, plan: FanoutPlan) -> _Round:
+        n = len(running)
+        rnd = _Round([[] for _ in range(n)], [PointDraft() for _ in range(n)], ["none"] * n,
+                     warm=[False] * n, cached=[0] * n)
+        need_backup = list(range(n)) if strategy in ("suffix",) else []
+        if strategy in USES_DRAFT and self.client is not None:
+            on_miss = strategy in ("ssd+neural", "sd")
+            rows = []
+            for seq, k in zip(running, ks):
+                tr = self.tracks[id(seq)]
+                if tr.told and tr.verdict is not None:
+                    rows.append(VerdictRow(tr.seq_id, tr.verdict[0], tr.verdict[1], seq.num_tokens, k, on_miss))
+                else:
+                    rows.append(VerdictRow(tr.seq_id, SYNC, 0, seq.num_tokens, k, on_miss,
+                                           tuple(seq.all_token_ids[tr.known:])))
+                tr.known = seq.num_tokens
+            try:
+                reply = self.client.request(Verdicts(tuple(rows), plan.fanout))
+                if not isinstance(reply, ChainReply):
+                    raise WorkerFailure(f"expected a ChainReply, got {type(reply).__name__}")
+                self._accept_reply(reply, rows, ks, rnd)
+            except WorkerFailure as err:  # chains not received: empty proposals (AR steps) this round
+                self._fail(err)
+                rnd = _Round([[] for _ in range(n)], [PointDraft() for _ in range(n)], ["none"] * n,
+                             warm=[False] * n, cached=[0] * n)
+            else:
+                need_backup = [i for i in range(n) if rnd.reply.rows[i].status == MISS and ks[i] > 0]
+        if need_backup and self.backup is not None and strategy in ("ssd+suffix", "ssd+random", "suffix"):
+            t0 = time.perf_counter()
+            prop = self.backup.propose([running[i] for i in need_backup], [ks[i] for i in need_backup])
+            rnd.backup_seconds = time.perf_counter() - t0
+            for j, i in enumerate(need_backup):
+                rnd.chains[i] = list(prop.tokens[j])[: ks[i]]
+                rnd.dists[i] = _row_of(prop.draft, j)
+                rnd.paths[i] = self.backup.name if rnd.chains[i] else "none"
+        return rnd
+
+    def _accept_reply(self, reply: ChainReply, rows, ks: list[int], rnd: _Round) -> None:
+        """Check the reply against the request (a worker's answer is not trusted) and take its chains."""
+        vocab = self.runner.model.cfg.vocab_size
+        if len(reply.rows) != len(rows) or reply.vocab != vocab:
+            raise WorkerFailure("chain reply does not match the request")
+        rnd.reply = reply
+        for i, (row, req) in enumerate(zip(reply.rows, rows)):
+            if row.seq_id != req.seq_id or len(row.tokens) > ks[i] or any(not 0 <= t < vocab for t in row.tokens):
+                raise WorkerFailure(f"chain reply row {i} does not match the request")
+            rnd.warm[i] = row.cached >= 0
+            rnd.cached[i] = max(row.cached, 0)
+            if row.status in (HIT, DRAFTED) and row.tokens:
+                q = row.q
+                at = q[torch.arange(len(row.tokens)), torch.tensor(row.tokens)]
+                if not bool(torch.isfinite(q).all()) or bool((q < 0).any()) or bool((at <= 0).any()):
+                    raise WorkerFailure(f"chain reply row {i} has an invalid q")
+                rnd.chains[i] = list(row.tokens)
+                rnd.dists[i] = DenseDraft(q[None].clone())
+                rnd.paths[i] = "hit" if row.status == HIT else "neural"
+
+    # ------------------------------------------------------------------ telemetry
+    def _observe(self, strategy: str, plan: FanoutPlan, rnd: _Round, ks: list[int], accepted: list[int],
+                 rejected: list[bool], verify_seconds: float) -> None:
+        est, planner = self.estimates, self.planner
+        est.observe_time("verify", verify_seconds)
+        if strategy == "ar":
+            est.observe_time("decode", verify_seconds)
+        groups: dict[str, list[int]] = {}
+        for i, path in enumerate(rnd.paths):
+            groups.setdefault(path, []).append(i)
+        for path, idx in groups.items():
+            if path == "none":
+                continue
+            acc = sum(accepted[i] for i in idx)
+            judged = acc + sum(int(rejected[i]) for i in idx)
+            est.observe_round(path, len(idx), acc, judged, acc + len(idx))
+            if path in ("hit", "neural"):
+                planner.observe_acceptance(acc, judged)
+        asked = [i for i in range(len(ks)) if ks[i] > 0]
+        warm = [i for i in asked if rnd.warm[i]]
+        hits = [i for i in asked if rnd.paths[i] == "hit"]
+        if strategy.startswith("ssd+"):
+            self.stats.add_ssd_round(strategy, len(asked), len(hits), len(warm))
+        else:
+            self.stats.add_ssd_round(strategy, 0, 0, 0)
+        if warm:
+            est.observe_cache(len([i for i in warm if rnd.paths[i] == "hit"]),
+                              len([i for i in warm if rnd.paths[i] != "hit"]))
+            planner.observe_cache([rnd.cached[i] for i in warm], [rnd.paths[i] == "hit" for i in warm])
+        state = {"fanout": list(plan.fanout), "a_estimate": plan.a, "r_estimate": plan.r,
+                 "predicted_miss_rate": plan.predicted_miss_rate}
+        reply = rnd.reply
+        if reply is not None:
+            if reply.build_seconds > 0 and self._prev_verify:
+                est.observe_time("primary", reply.build_seconds)
+                planner.observe_timing(reply.build_seconds, max(self._prev_budget, 1), self._prev_verify,
+                                       min(reply.glue_seconds, reply.build_seconds))
+                state["T_p"] = reply.build_seconds / self._prev_verify
+            if any(p == "neural" for p in rnd.paths):
+                est.observe_time("neural", reply.backup_seconds)
+                state["T_b"] = reply.backup_seconds / verify_seconds
+        if rnd.backup_seconds and self.backup is not None and self.backup.name in ("suffix", "random"):
+            est.observe_time(self.backup.name, rnd.backup_seconds)
+            state["T_b"] = rnd.backup_seconds / verify_seconds
+        self._prev_verify = verify_seconds
+        self._prev_budget = plan.budget if strategy.startswith("ssd+") else 0
+        state["strategy"] = strategy
+        self.stats.set_ssd_state(**state)
+
+
+def _row_of(dist: DraftDistribution, i: int) -> DraftDistribution:
+    """Row i of a batch draft law, as a single-row (or any-row) law for MixedDraft."""
+    if dist.num_rows is None:
+        return dist
+    if isinstance(dist, DenseDraft):
+        return DenseDraft(dist.probs[i: i + 1])
+    if isinstance(dist, SparseDraft):
+        return SparseDraft(dist.indices[i: i + 1], dist.probs[i: i + 1])
+    if isinstance(dist, MixedDraft):
+        return dist.rows[i]
+    raise TypeError(f"cannot take a row of {type(dist).__name__}")

@@ -1,0 +1,423 @@
+"""The draft worker: the SSD draft side (DraftServer) in its own process, and the target side's client.
+
+Process: torch.multiprocessing's spawn context. The start-up arguments are plain values only (paths,
+sizes, the draft's ModelConfig fields, RoPE frequencies, a tensor manifest); the draft weights travel as
+raw tensor bytes in a shared-memory file the parent writes and the worker copies from. On a CPU the two
+processes are pinned to different cores (os.sched_setaffinity) with one intra-op thread each, so the
+target verifies on one core while the draft builds the next cache on the other: the two-device picture.
+
+Transport: per direction, shared-memory tensors (files under /dev/shm) hold the payloads (int64, and
+float32 for the q rows of chain replies); a Unix socket carries only fixed-size int64 headers
+[MAGIC, kind, sequence number, payload offset, ints, floats, 0, 0]. Nothing is pickled after spawn.
+Target -> worker payloads are appended to their buffer and the offset restarts after every reply (the
+worker handles messages in order, so a reply proves every earlier payload was read); a payload that
+does not fit first waits for a Barrier reply. Worker -> target payloads are only replies, read (and
+copied) before the next request.
+
+Faults: every wait has a timeout (startup_timeout, then worker_timeout); a timeout, EOF, socket error or
+malformed reply raises WorkerFailure. close() (and weakref.finalize at garbage collection or interpreter
+exit) sends Shutdown, joins with a timeout, then terminates and kills, and removes the shared files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import weakref
+from typing import Optional
+
+import torch
+
+from rollout_ssd.models.decoder import Decoder
+from rollout_ssd.ssd.client import DraftClient, WorkerFailure
+from rollout_ssd.ssd.config import SSDConfig
+from rollout_ssd.ssd.messages import MESSAGES, REPLIES, Barrier, MalformedMessage, Message, Ready, Shutdown
+
+log = logging.getLogger(__name__)
+
+MAGIC = 0x55D5_D12A
+HEADER = struct.Struct("<8q")
+
+
+# ---------------------------------------------------------------------------------------------- framing
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        r = sock.recv_into(view[got:])
+        if r == 0:
+            raise EOFError("peer closed the connection")
+        got += r
+    return bytes(buf)
+
+
+@dataclasses.dataclass
+class _Buffers:
+    """Shared payload tensors: to_worker int64, from_worker int64 and float32."""
+
+    to_ints: torch.Tensor
+    from_ints: torch.Tensor
+    from_floats: torch.Tensor
+
+    @staticmethod
+    def sizes(num_slots: int, max_model_len: int, k: int, vocab: int) -> tuple[int, int, int]:
+        to_ints = num_slots * (max_model_len + 2 * k + 16) + 4096
+        from_ints = num_slots * (k + 8) + 64
+        from_floats = max(num_slots * k * vocab, 1)
+        return to_ints, from_ints, from_floats
+
+    @classmethod
+    def open(cls, directory: str, sizes: tuple[int, int, int]) -> "_Buffers":
+        names = ("to_ints", "from_ints", "from_floats")
+        dtypes = (torch.int64, torch.int64, torch.float32)
+        return cls(*(torch.from_file(os.path.join(directory, n), shared=True, size=s, dtype=d)
+                     for n, s, d in zip(names, sizes, dtypes)))
+
+
+def _send_header(sock, kind: int, seq: int, offset: int, n_ints: int, n_floats: int) -> None:
+    sock.sendall(HEADER.pack(MAGIC, kind, seq, offset, n_ints, n_floats, 0, 0))
+
+
+def _read_header(sock) -> tuple[int, int, int, int, int]:
+    magic, kind, seq, offset, n_ints, n_floats, _, _ = HEADER.unpack(_recv_exact(sock, HEADER.size))
+    if magic != MAGIC or kind not in MESSAGES:
+        raise MalformedMessage(f"bad header (magic {magic:#x}, kind {kind})")
+    return kind, seq, offset, n_ints, n_floats
+
+
+# ---------------------------------------------------------------------------------------------- worker
+def _write_weights(model: Decoder, path: str) -> list[tuple[str, str, tuple[int, ...], int, int]]:
+    """Every HF-named tensor of the draft into one file, 64-byte aligned; returns the manifest."""
+    manifest, offset = [], 0
+    params = model.hf_parameters()
+    for name, t in params.items():
+        nbytes = t.numel() * t.element_size()
+        manifest.append((name, str(t.dtype).replace("torch.", ""), tuple(t.shape), offset, nbytes))
+        offset += (nbytes + 63) // 64 * 64
+    buf = torch.from_file(path, shared=True, size=max(offset, 1), dtype=torch.uint8)
+    for (_, _, _, off, nbytes), t in zip(manifest, params.values()):
+        buf[off: off + nbytes].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+    return manifest
+
+
+def _load_model(args: dict) -> Decoder:
+    from rollout_ssd.models.config import ModelConfig
+    from rollout_ssd.models.loader import load_state
+
+    cfg_fields = dict(args["model_config"])
+    cfg_fields["eos_token_ids"] = tuple(cfg_fields["eos_token_ids"])
+    cfg = ModelConfig(**cfg_fields)
+    dtype = getattr(torch, args["dtype"])
+    model = Decoder(cfg, torch.tensor(args["inv_freq"], dtype=torch.float32), args["rope_scaling"], dtype=dtype)
+    total = max(off + n for _, _, _, off, n in args["manifest"]) if args["manifest"] else 1
+    raw = torch.from_file(args["weights_path"], shared=False, size=total, dtype=torch.uint8)
+    state = {}
+    for name, dt, shape, off, nbytes in args["manifest"]:
+        state[name] = raw[off: off + nbytes].view(getattr(torch, dt)).view(shape)
+    load_state(model, state)
+    return model.eval()
+
+
+def worker_main(args: dict) -> None:
+    """Entry point of the draft worker process. `args` holds plain values only."""
+    from rollout_ssd.ssd.draft_server import DraftServer
+    from rollout_ssd.ssd.tree import SaguaroRule
+
+    torch.set_num_threads(1)
+    if args.get("core") is not None:
+        try:
+            os.sched_setaffinity(0, {args["core"]})
+        except OSError:
+            pass
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(args["socket_path"])
+        bufs = _Buffers.open(args["directory"], tuple(args["sizes"]))
+        model = _load_model(args)
+        server = DraftServer(model, args["num_slots"], args["max_model_len"], args["k"], args["max_branches"],
+                             SaguaroRule(C=args["C"], c_min=args["c_min"]))
+        _reply(sock, bufs, Ready(os.getpid()), 0)
+        while True:
+            kind, seq, offset, n_ints, n_floats = _read_header(sock)
+            if offset < 0 or n_ints < 0 or offset + n_ints > bufs.to_ints.numel() or n_floats != 0:
+                raise MalformedMessage("payload outside the shared buffer")
+            ints = bufs.to_ints[offset: offset + n_ints].tolist()
+            msg = MESSAGES[kind].decode(ints, None)
+            if isinstance(msg, Shutdown):
+                break
+            reply = server.handle(msg)
+            if reply is not None:
+                _reply(sock, bufs, reply, seq)
+    except EOFError:
+        pass  # the target side went away: nothing left to do
+    except BaseException:
+        traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)
+    finally:
+        sock.close()
+
+
+def _reply(sock, bufs: _Buffers, msg: Message, seq: int) -> None:
+    ints, floats = msg.encode()
+    n_floats = 0 if floats is None else floats.numel()
+    if len(ints) > bufs.from_ints.numel() or n_floats > bufs.from_floats.numel():
+        raise MalformedMessage("reply does not fit the shared buffer")
+    bufs.from_ints[: len(ints)] = torch.tensor(ints, dtype=torch.int64)
+    if n_floats:
+        bufs.from_floats[:n_floats] = floats
+    _send_header(sock, msg.KIND, seq, 0, len(ints), n_floats)
+
+
+# ---------------------------------------------------------------------------------------------- client
+class _WorkerProcess:
+    """The worker as `python -m rollout_ssd.ssd.worker ARGS.json`, with the few Process methods we use."""
+
+    def __init__(self, args_path: str):
+        env = dict(os.environ)
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        self._popen = subprocess.Popen([sys.executable, "-m", "rollout_ssd.ssd.worker", args_path],
+                                       stdin=subprocess.DEVNULL, env=env)
+        self.pid = self._popen.pid
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        return self._popen.poll()
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        try:
+            self._popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def terminate(self) -> None:
+        if self.is_alive():
+            self._popen.terminate()
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self._popen.kill()
+
+
+class _Resources:
+    """Everything a worker holds, released exactly once (close() or weakref.finalize)."""
+
+    def __init__(self):
+        self.proc = None
+        self.sock: Optional[socket.socket] = None
+        self.listener: Optional[socket.socket] = None
+        self.directory: Optional[str] = None
+        self.affinity: Optional[set] = None
+        self.threads: Optional[int] = None
+        self.done = False
+        self.graceful = True  # False once the worker failed: do not wait for it
+
+    def release(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        proc, sock = self.proc, self.sock
+        if not self.graceful and proc is not None and proc.is_alive():
+            proc.kill()
+        if sock is not None and proc is not None and proc.is_alive():
+            try:
+                sock.settimeout(1.0)
+                _send_header(sock, Shutdown.KIND, 0, 0, 0, 0)
+            except OSError:
+                pass
+        if proc is not None:
+            proc.join(timeout=3.0)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=3.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=3.0)
+        for s in (sock, self.listener):
+            if s is not None:
+                try:
+                    s.close()
+                except OSError:
+                    pass
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+        if self.affinity is not None:
+            try:
+                os.sched_setaffinity(0, self.affinity)
+            except OSError:
+                pass
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+
+
+class WorkerClient(DraftClient):
+    in_process = False
+
+    def __init__(self, resources: _Resources, bufs: _Buffers, timeout: float):
+        self._res = resources
+        self._bufs = bufs
+        self._timeout = timeout
+        self._offset = 0
+        self._seq = 0
+        self._dead: Optional[str] = None
+        self._finalizer = weakref.finalize(self, resources.release)
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._res.proc.pid if self._res.proc is not None else None
+
+    @property
+    def process(self):
+        return self._res.proc
+
+    @classmethod
+    def start(cls, draft_model: Decoder, num_slots: int, max_model_len: int, config: SSDConfig) -> "WorkerClient":
+        res = _Resources()
+        try:
+            return cls._start(res, draft_model, num_slots, max_model_len, config)
+        except BaseException as err:
+            res.release()
+            if isinstance(err, (OSError, EOFError, MalformedMessage, TimeoutError)):
+                raise WorkerFailure(f"draft worker failed to start: {err}") from err
+            raise
+
+    @classmethod
+    def _start(cls, res, draft_model, num_slots, max_model_len, config) -> "WorkerClient":
+        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        res.directory = tempfile.mkdtemp(prefix="rollout-ssd-", dir=base)
+        vocab = draft_model.cfg.vocab_size
+        sizes = _Buffers.sizes(num_slots, max_model_len, config.k, vocab)
+        bufs = _Buffers.open(res.directory, sizes)
+        weights_path = os.path.join(res.directory, "weights")
+        manifest = _write_weights(draft_model, weights_path)
+        socket_path = os.path.join(res.directory, "sock")
+        res.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        res.listener.bind(socket_path)
+        res.listener.listen(1)
+
+        core = None
+        if config.pin_cores and hasattr(os, "sched_getaffinity"):
+            cores = sorted(os.sched_getaffinity(0))
+            if len(cores) >= 2:
+                res.affinity = set(cores)
+                res.threads = torch.get_num_threads()
+                os.sched_setaffinity(0, {cores[0]})
+                torch.set_num_threads(1)
+                core = cores[1]
+        args = {
+            "directory": res.directory, "socket_path": socket_path, "sizes": list(sizes),
+            "weights_path": weights_path, "manifest": manifest,
+            "model_config": dataclasses.asdict(draft_model.cfg), "inv_freq": draft_model.inv_freq.tolist(),
+            "rope_scaling": float(draft_model.rope_scaling), "dtype": str(draft_model.dtype).replace("torch.", ""),
+            "num_slots": num_slots, "max_model_len": max_model_len, "k": config.k,
+            "max_branches": config.max_branches, "C": config.saguaro_c, "c_min": config.c_min, "core": core,
+        }
+        # A fresh interpreter running this module: unlike multiprocessing's spawn it never re-imports
+        # the caller's __main__ (scripts without a main guard and notebooks work), and it receives
+        # only a JSON file of plain values.
+        args_path = os.path.join(res.directory, "args.json")
+        with open(args_path, "w") as f:
+            json.dump(args, f)
+        res.proc = _WorkerProcess(args_path)
+
+        deadline = time.monotonic() + config.startup_timeout
+        res.listener.settimeout(0.5)
+        while res.sock is None:
+            try:
+                res.sock, _ = res.listener.accept()
+            except socket.timeout:
+                if not res.proc.is_alive():
+                    raise WorkerFailure(f"draft worker exited during start-up (code {res.proc.exitcode})") from None
+                if time.monotonic() > deadline:
+                    raise WorkerFailure("draft worker did not connect in time") from None
+        res.listener.close()
+        res.listener = None
+        client = cls(res, bufs, config.worker_timeout)
+        ready = client._receive(Ready, config.startup_timeout, expect_seq=0)
+        log.info("SSD draft worker %d ready (core %s)", ready.pid, core)
+        return client
+
+    # -------------------------------------------------------------------------------------------
+    def send(self, msg: Message) -> None:
+        self._check()
+        try:
+            ints, floats = msg.encode()
+            if floats is not None and floats.numel():
+                raise ValueError("target -> worker messages carry no floats")
+            if len(ints) > self._bufs.to_ints.numel():
+                raise ValueError(f"{type(msg).__name__} needs {len(ints)} ints, the buffer holds "
+                                 f"{self._bufs.to_ints.numel()}")
+            if self._offset + len(ints) > self._bufs.to_ints.numel():
+                self._barrier()
+            self._bufs.to_ints[self._offset: self._offset + len(ints)] = torch.tensor(ints, dtype=torch.int64)
+            self._seq += 1
+            _send_header(self._res.sock, msg.KIND, self._seq, self._offset, len(ints), 0)
+            self._offset += len(ints)
+        except (OSError, EOFError) as err:
+            raise self._die(f"send failed: {err}") from err
+
+    def request(self, msg: Message) -> Message:
+        reply_type = REPLIES.get(type(msg))
+        if reply_type is None:
+            raise ValueError(f"{type(msg).__name__} gets no reply")
+        self.send(msg)
+        reply = self._receive(reply_type, self._timeout, expect_seq=self._seq)
+        self._offset = 0
+        return reply
+
+    def _barrier(self) -> None:
+        self._seq += 1
+        _send_header(self._res.sock, Barrier.KIND, self._seq, 0, 0, 0)
+        self._receive(REPLIES[Barrier], self._timeout, expect_seq=self._seq)
+        self._offset = 0
+
+    def _receive(self, expected: type, timeout: float, expect_seq: int) -> Message:
+        sock = self._res.sock
+        try:
+            sock.settimeout(timeout)
+            kind, seq, offset, n_ints, n_floats = _read_header(sock)
+            if kind != expected.KIND or seq != expect_seq or offset != 0:
+                raise MalformedMessage(f"expected {expected.__name__} #{expect_seq}, got kind {kind} #{seq}")
+            if not 0 <= n_ints <= self._bufs.from_ints.numel() or not 0 <= n_floats <= self._bufs.from_floats.numel():
+                raise MalformedMessage("reply payload outside the shared buffer")
+            ints = self._bufs.from_ints[:n_ints].tolist()
+            floats = self._bufs.from_floats[:n_floats].clone() if n_floats else None
+            return expected.decode(ints, floats)
+        except socket.timeout as err:
+            raise self._die(f"no reply within {timeout:.1f} s") from err
+        except (OSError, EOFError, MalformedMessage) as err:
+            raise self._die(f"{type(err).__name__}: {err}") from err
+
+    def _check(self) -> None:
+        if self._dead is not None:
+            raise WorkerFailure(f"draft worker is dead ({self._dead})")
+        proc = self._res.proc
+        if proc is None or not proc.is_alive():
+            raise self._die(f"process exited (code {None if proc is None else proc.exitcode})")
+
+    def _die(self, reason: str) -> WorkerFailure:
+        self._dead = reason
+        self._res.graceful = False
+        return WorkerFailure(f"draft worker: {reason}")
+
+    def close(self) -> None:
+        self._finalizer()  # runs _Resources.release once
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as _f:
+        worker_main(json.load(_f))

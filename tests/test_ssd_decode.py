@@ -1,0 +1,209 @@
+"""SSD decode strategy, in process: greedy SSD == greedy AR token for token (hits and misses both
+exercised), the speculation cache equals an independent serial draft decode of every branch, and the law
+of short continuations equals the exact target law on the hit path, the miss path with each backup, with
+Saguaro C < 1, at T = 1 and at T = 0.7 with top-p.
+
+Statistical tests: Pearson chi-square of the empirical law of (t4, t5, t6) against the exact target law
+(enumerated from the target's logits), cells with expected count < 5 pooled; each fails by chance with
+probability 1e-3 (the p-value threshold), so the 6 law cases together fail spuriously < 0.6% of runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chi2
+
+from rollout_ssd import SamplingParams
+from rollout_ssd.sampling import sample_from_probs, target_probs
+from rollout_ssd.spec.random_spec import RandomConfig, RandomSpeculator
+from rollout_ssd.spec.suffix import SuffixSpeculator
+from rollout_ssd.ssd.config import SSDConfig
+from rollout_ssd.ssd.draft_server import DraftServer
+from rollout_ssd.ssd.messages import HIT, SYNC, AdmitRow, AdmitSequences, BuildCache, BuildRow, VerdictRow, Verdicts
+from rollout_ssd.ssd.rng import draft_key, draft_uniform_reference, draft_uniforms
+from rollout_ssd.ssd.saguaro import saguaro_probs, top_f_mask
+from rollout_ssd.ssd.tree import SaguaroRule
+from tests.test_ssd_helpers import ar_engine, ssd_engine, tiny_pair
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [3, 3, 3, 3]]
+
+
+@pytest.fixture(scope="module")
+def pair48(tmp_path_factory):
+    return tiny_pair(tmp_path_factory.mktemp("ssd48"), vocab=48)
+
+
+@pytest.fixture(scope="module")
+def pair6(tmp_path_factory):
+    return tiny_pair(tmp_path_factory.mktemp("ssd6"), vocab=6, seed=3, draft_noise=0.6, logit_scale=2.0)
+
+
+def test_counter_rng_matches_reference_and_is_uniform():
+    key = draft_key(5, 1, 2)
+    idx = torch.arange(2000)
+    u = draft_uniforms(torch.full((2000,), key), idx)
+    assert [draft_uniform_reference(key, i) for i in range(5)] == u[:5].tolist()
+    assert float(u.min()) >= 0 and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.03
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_ssd_equals_ar(pair48, batch):
+    target, draft = pair48
+    params = SamplingParams(temperature=0, max_new_tokens=20, n=2, ignore_eos=True)
+    ar = ar_engine(target, batch).sample(PROMPTS, params)
+    engine = ssd_engine(target, draft, SSDConfig(k=3, fanout=(1, 1, 1, 2)), batch)
+    out = engine.sample(PROMPTS, params)
+    for a, b in zip(ar, out):
+        assert b.token_ids == a.token_ids
+        assert torch.allclose(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4)
+    m = engine.metrics()
+    assert m["ssd/hits"] > 0 and m["ssd/hits"] < m["ssd/rounds"] - m["ssd/cold_rounds"]  # hits and misses
+    engine.close()
+
+
+def test_greedy_ssd_planner_and_rule_equal_ar(pair48):
+    """Theorem 12 planner fan-outs and the strategy rule (which may switch strategies mid-run)."""
+    target, draft = pair48
+    params = SamplingParams(temperature=0, max_new_tokens=40, n=3, ignore_eos=True)
+    ar = ar_engine(target, 4).sample(PROMPTS, params)
+    engine = ssd_engine(target, draft, SSDConfig(k=3, strategy_rule=True, backup="suffix"), 4,
+                        backup=SuffixSpeculator())
+    out = engine.sample(PROMPTS, params)
+    assert [b.token_ids for b in out] == [a.token_ids for a in ar]
+    m = engine.metrics()
+    assert sum(m["ssd/fanout"]) >= 4 and m["ssd/strategy"] in m["ssd/scores"]
+    engine.close()
+
+
+# ---- cache construction == independent serial decode of every branch ---------------------------
+
+def _serial_q(model, tokens: list[int], st_params, bend: int, rule: SaguaroRule) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft alone on `tokens` (a fresh causal forward): q (bent like the tree does) after the last one."""
+    temperature, top_k, top_p = st_params
+    hidden = model.forward_train(torch.tensor([tokens]))
+    logits = model.logits(hidden[:, -1])  # [1, V]
+    q = target_probs(logits, torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p]))
+    if temperature > 0 and bend > 0:
+        c = rule.values(q)
+        if c is not None:
+            q = saguaro_probs(q, top_f_mask(logits, bend), c)
+    return logits, q
+
+
+@pytest.mark.parametrize("temperature,top_p,C", [(0.0, 1.0, 1.0), (0.8, 0.9, 0.5), (1.0, 1.0, None)])
+def test_cache_equals_serial_branch_decode(pair48, temperature, top_p, C):
+    target, draft = pair48
+    model = draft.model
+    k, fanout = 3, (3, 2, 1, 2)
+    rule = SaguaroRule(C=C, c_min=0.3)
+    server = DraftServer(model, num_slots=4, max_model_len=64, k=k, max_branches=sum(fanout), saguaro=rule)
+    prompts = [[1, 2, 3, 4, 5, 6], [9, 8], [20, 21, 22]]
+    chains = [[7, 30, 2], [11], []]
+    keys = [draft_key(0, i, 0) for i in range(3)]
+    server.handle(AdmitSequences(tuple(AdmitRow(i, keys[i], temperature, 0, top_p, tuple(p[:-1]))
+                                       for i, p in enumerate(prompts))))
+    # the last prompt token arrives as a SYNC, as it does after the target samples it
+    server.handle(Verdicts(tuple(VerdictRow(i, SYNC, 0, len(p), 0, False, (p[-1],)) for i, p in enumerate(prompts)),
+                           fanout))
+    server.handle(BuildCache(tuple(BuildRow(i, tuple(c), True) for i, c in enumerate(chains)), fanout))
+    checked = 0
+    for i, (prompt, chain) in enumerate(zip(prompts, chains)):
+        entries = server.cache._entries[i]
+        depths = len(chain) + 1
+        assert len(entries.fanout) == depths
+        for (j, t), r in entries.index.items():
+            context = prompt + chain[:j] + [t]
+            # the candidates are the draft's top-F_j at depth j, skipping the sent token
+            glue_logits, _ = _serial_q(model, prompt + chain[:j], (temperature, 0, top_p), 0, rule)
+            order = [x for x in torch.sort(glue_logits[0], descending=True, stable=True).indices.tolist()
+                     if j == len(chain) or x != chain[j]]
+            f = fanout[j] if j < len(chain) else fanout[-1]
+            assert t in order[:f]
+            for step in range(k):
+                logits, q = _serial_q(model, context, (temperature, 0, top_p), fanout[step], rule)
+                assert torch.allclose(entries.q[r, step], q[0], atol=1e-5)
+                if temperature == 0:
+                    expect = int(logits.argmax())
+                else:
+                    u = draft_uniforms(torch.tensor([keys[i]]), torch.tensor([len(context)]))
+                    expect = int(sample_from_probs(q, u))
+                assert int(entries.tokens[r, step]) == expect
+                context = context + [expect]
+                checked += 1
+    assert checked == k * sum(len(server.cache._entries[i].index) for i in range(3))
+    # a verdict now finds its branch
+    (j, t), r = next(iter(server.cache._entries[0].index.items()))
+    expect = server.cache._entries[0].tokens[r].tolist()
+    reply = server.handle(Verdicts((VerdictRow(0, j, t, len(prompts[0]) + j + 1, k, True),), fanout))
+    assert reply.rows[0].status == HIT and list(reply.rows[0].tokens) == expect
+
+
+# ---- the law of short continuations ------------------------------------------------------------
+
+def _exact_law(target, prompt: list[int], temperature: float, top_p: float, vocab: int) -> torch.Tensor:
+    """P(t4, t5, t6) [V, V, V] under the target's AR law (t1..t3 summed out), by enumeration."""
+    model = target.model
+    seqs = torch.tensor([prompt + list(t) for t in itertools.product(range(vocab), repeat=5)])  # [V^5, m+5]
+    logits = model.logits(model.forward_train(seqs))[:, len(prompt) - 1:]  # [N, 6, V]
+    n = seqs.shape[0]
+    flat = logits.reshape(n * 6, vocab)
+    p = target_probs(flat, torch.full((n * 6,), temperature), torch.zeros(n * 6, dtype=torch.long),
+                     torch.full((n * 6,), top_p)).view(n, 6, vocab).double()
+    path = p[:, :5].gather(2, seqs[:, len(prompt):, None]).squeeze(2).prod(dim=1)  # P(t1..t5), [N]
+    joint = (path[:, None] * p[:, 5]).view((vocab,) * 6)
+    return joint.sum(dim=(0, 1, 2))
+
+
+def _chi_square_pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:
+    n = counts.sum()
+    expected = law.flatten() * n
+    observed = counts.flatten().double()
+    big = expected >= 5
+    obs = torch.cat([observed[big], observed[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    assert float(observed[law.flatten() == 0].sum()) == 0  # nothing outside the target's support
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    return float(chi2.sf(stat, int(keep.sum()) - 1))
+
+
+LAW_CASES = {
+    # name: (SSDConfig kwargs, temperature, top_p, backup)
+    "hit-path": (dict(k=2, fanout=(4, 4, 5)), 1.0, 1.0, None),
+    "miss-neural": (dict(k=2, fanout=(0, 1, 1)), 1.0, 1.0, None),
+    "miss-suffix": (dict(k=2, fanout=(0, 1, 1), backup="suffix"), 1.0, 1.0, "suffix"),
+    "miss-random": (dict(k=2, fanout=(1, 0, 1), backup="random"), 1.0, 1.0, "random"),
+    "saguaro-C0.3-T0.7-topp": (dict(k=2, fanout=(2, 1, 2), C=0.3), 0.7, 0.8, None),
+    "adaptive-C-T0.7-topp": (dict(k=2, fanout=(2, 2, 2), C="adaptive", c_min=0.2, backup="random"), 0.7, 0.9,
+                             "random"),
+}
+
+
+@pytest.mark.parametrize("case", list(LAW_CASES))
+def test_law_matches_target(pair6, case):
+    target, draft = pair6
+    kwargs, temperature, top_p, backup_name = LAW_CASES[case]
+    vocab = 6
+    backup = {None: None, "suffix": SuffixSpeculator(), "random": RandomSpeculator(RandomConfig(vocab))}[backup_name]
+    prompt = [1, 4, 2]
+    n = 1500
+    engine = ssd_engine(target, draft, SSDConfig(**kwargs), batch=500, max_model_len=16, backup=backup)
+    out = engine.sample([prompt], SamplingParams(n=n, temperature=temperature, top_p=top_p, max_new_tokens=6,
+                                                 ignore_eos=True, seed=11))
+    m = engine.metrics()
+    engine.close()
+    counts = torch.zeros(vocab, vocab, vocab)
+    for r in out:
+        assert len(r.token_ids) == 6
+        counts[r.token_ids[3], r.token_ids[4], r.token_ids[5]] += 1
+    warm = m["ssd/rounds"] - m["ssd/cold_rounds"]
+    assert m["ssd/hits"] > 0 and warm - m["ssd/hits"] > 0, m  # both paths exercised
+    if case == "hit-path":
+        assert m["ssd/hit_rate_warm"] > 0.8
+    if case.startswith("miss"):
+        assert m["ssd/hit_rate_warm"] < 0.6
+    law = _exact_law(target, prompt, temperature, top_p, vocab)
+    assert _chi_square_pvalue(counts, law) > 1e-3

@@ -1,0 +1,128 @@
+"""SSD with the draft in its own worker process: greedy SSD == greedy AR, and faults.
+
+Faults: the worker is killed (SIGKILL) or frozen (SIGSTOP, caught by the reply timeout) in the middle of a
+generation: every rollout still completes, greedy outputs still equal AR's, the failure is counted and
+warned about once, the worker restarts at the next admission, and no process is left behind.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+
+import pytest
+
+from rollout_ssd import SamplingParams
+from rollout_ssd.ssd.config import SSDConfig
+from tests.test_ssd_helpers import ar_engine, ssd_engine, tiny_pair
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [3, 3, 3, 3]]
+GREEDY = SamplingParams(temperature=0, max_new_tokens=16, n=2, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tiny_pair(tmp_path_factory.mktemp("ssdw"), vocab=48)
+
+
+@pytest.fixture(scope="module")
+def ar_out(pair):
+    return [r.token_ids for r in ar_engine(pair[0], 3).sample(PROMPTS, GREEDY)]
+
+
+def _children() -> list:
+    """Live child processes, except multiprocessing's own resource tracker (one per interpreter, started
+    by the spawn context; it exits with the interpreter and holds nothing of ours)."""
+    try:
+        import psutil
+    except ImportError:
+        return multiprocessing.active_children()
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _inject(engine, after_steps: int, fault):
+    """Run `fault(worker_pid)` once, after `after_steps` rounds."""
+    strategy = engine.strategy
+    step, calls = strategy.step, [0]
+
+    def wrapped(running):
+        calls[0] += 1
+        if calls[0] == after_steps:
+            fault(strategy.client.pid)
+        return step(running)
+
+    strategy.step = wrapped
+
+
+def test_worker_greedy_equals_ar(pair, ar_out):
+    affinity = os.sched_getaffinity(0)
+    engine = ssd_engine(*pair, SSDConfig(k=3, fanout=(1, 1, 1, 2), worker=True), batch=3)
+    assert not engine.strategy.client.in_process and engine.strategy.client.process.is_alive()
+    out = engine.sample(PROMPTS, GREEDY)
+    assert [r.token_ids for r in out] == ar_out
+    m = engine.metrics()
+    assert m["ssd/hits"] > 0 and m["ssd/hits"] < m["ssd/rounds"] - m["ssd/cold_rounds"]
+    assert m["ssd/T_p"] > 0 and m["ssd/worker_failures"] == 0
+    # a second call reuses the same worker
+    assert [r.token_ids for r in engine.sample(PROMPTS, GREEDY)] == ar_out
+    engine.close()
+    assert _children() == []
+    assert os.sched_getaffinity(0) == affinity
+
+
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+def test_worker_fault_falls_back_and_restarts(pair, ar_out, fault):
+    engine = ssd_engine(*pair, SSDConfig(k=3, fanout=(1, 1, 1, 2), worker=True, worker_timeout=2.0), batch=3)
+    first_pid = engine.strategy.client.pid
+    sig = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
+    _inject(engine, 5, lambda pid: os.kill(pid, sig))
+    with pytest.warns(RuntimeWarning, match="draft worker failed"):
+        out = engine.sample(PROMPTS, GREEDY)
+    assert [r.token_ids for r in out] == ar_out  # nothing lost, duplicated or changed
+    assert all(len(r.token_ids) == GREEDY.max_new_tokens for r in out)
+    assert engine.metrics()["ssd/worker_failures"] == 1
+    # the running rollouts finished with the in-process draft (SD); the next admission (a later wave of
+    # this continuous batch) restarted the worker, which re-admitted every live sequence
+    client = engine.strategy.client
+    assert not client.in_process and client.pid != first_pid and client.process.is_alive()
+    assert engine.metrics()["ssd/strategy_rounds"].get("sd", 0) > 0
+    assert [p.pid for p in _children()] == [client.pid]  # the failed worker is gone
+    out2 = engine.sample(PROMPTS, GREEDY)
+    assert [r.token_ids for r in out2] == ar_out
+    assert engine.strategy.client.pid == client.pid
+    engine.close()
+    assert _children() == []
+
+
+def test_worker_law_matches_in_process_at_temperature(pair):
+    """Sampled outputs with the worker equal the in-process ones: the draft's draws are counter-based
+    (ssd/rng.py) and verification's generator is the sequence's own, so the process boundary changes
+    nothing but timing."""
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=16, n=3, seed=4, ignore_eos=True)
+    cfg = dict(k=3, fanout=(2, 1, 1, 2), C=0.5)
+    local = ssd_engine(*pair, SSDConfig(**cfg), batch=4)
+    expect = [r.token_ids for r in local.sample(PROMPTS, params)]
+    local.close()
+    engine = ssd_engine(*pair, SSDConfig(worker=True, **cfg), batch=4)
+    got = [r.token_ids for r in engine.sample(PROMPTS, params)]
+    engine.close()
+    assert got == expect
+    assert _children() == []
+
+
+def test_worker_that_cannot_start_falls_back(pair, ar_out):
+    with pytest.warns(RuntimeWarning, match="draft worker failed"):
+        engine = ssd_engine(*pair, SSDConfig(k=3, fanout=(1, 1, 1, 2), worker=True, startup_timeout=0.05,
+                                             max_restarts=0), batch=3)
+    assert engine.strategy.client.in_process
+    assert [r.token_ids for r in engine.sample(PROMPTS, GREEDY)] == ar_out
+    engine.close()
+    assert _children() == []
