@@ -132,14 +132,29 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ public API
     def sample(self, prompts: Seq[Prompt], params: Optional[SamplingParams] = None,
-               progress: bool = False) -> list[Rollout]:
-        """Generate len(prompts) * params.n rollouts, ordered by (prompt, sample)."""
+               progress: bool = False, prompt_indices: Optional[Seq[int]] = None) -> list[Rollout]:
+        """Generate len(prompts) * params.n rollouts, ordered by (prompt, sample).
+
+        prompt_indices: the global index of each prompt (default 0..len-1). Sample j of a prompt with
+        index i is seeded by (seed, i, j), so a job split across calls or actors reproduces the rollouts
+        of one big call when each part passes its prompts' global indices."""
         self._check_open()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompt_ids = self._tokenize(prompts, params)
-        seqs = [self._new_sequence(i, j, ids, params) for i, ids in enumerate(prompt_ids) for j in range(params.n)]
+        if prompt_indices is None:
+            indices = list(range(len(prompt_ids)))
+        else:
+            indices = list(prompt_indices)
+            if len(indices) != len(prompt_ids):
+                raise ValueError(f"prompt_indices has {len(indices)} entries for {len(prompt_ids)} prompts")
+            if any(not isinstance(i, numbers.Integral) or isinstance(i, bool) or i < 0 for i in indices):
+                raise ValueError("prompt_indices must be non-negative integers")
+            if len(set(indices)) != len(indices):
+                raise ValueError("prompt_indices must be distinct")
+            indices = [int(i) for i in indices]
+        seqs = [self._new_sequence(idx, j, ids, params) for idx, ids in zip(indices, prompt_ids) for j in range(params.n)]
         if seqs:
             self._generate(seqs, progress)
         tok = self.target.tokenizer

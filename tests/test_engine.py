@@ -241,6 +241,22 @@ def test_same_seed_same_rollouts_regardless_of_batch(tiny_llama):
     assert [r.token_ids for r in other_seed] != [r.token_ids for r in reference]
 
 
+def test_split_job_with_global_prompt_indices_reproduces_one_call(tiny_llama):
+    """A job split into parts that pass their prompts' global indices gets exactly the rollouts of one
+    call over all prompts (how actors and the dataset job split work)."""
+    hf, loaded = tiny_llama
+    prompts = _prompts([4, 9, 2, 6, 3], hf.config.vocab_size, seed=52)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, seed=9)
+    whole = _engine(loaded, 8).sample(prompts, params)
+    parts = (_engine(loaded, 2).sample(prompts[3:], params, prompt_indices=[3, 4])
+             + _engine(loaded, 3).sample(prompts[:3], params, prompt_indices=[0, 1, 2]))
+    parts.sort(key=lambda r: (r.prompt_index, r.sample_index))
+    assert [(r.prompt_index, r.sample_index, r.token_ids) for r in parts] == \
+        [(r.prompt_index, r.sample_index, r.token_ids) for r in whole]
+    with pytest.raises(ValueError, match="prompt_indices"):
+        _engine(loaded, 2).sample(prompts[:2], params, prompt_indices=[1, 1])
+
+
 @pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (1.0, 1.0), (0.7, 0.8)])
 def test_logprobs_are_full_vocab_log_softmax(tiny_llama, temperature, top_p):
     """logprobs[i] = log softmax(transformers' logits / T)[token_ids[i]] over the full vocabulary,
