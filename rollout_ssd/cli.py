@@ -69,6 +69,46 @@ def demo(args) -> int:
     return 0
 
 
+def generate(args) -> int:
+    """`rollout-ssd generate`: an offline dataset of rollouts (rollout_ssd/datagen.py), resumable."""
+    from rollout_ssd.datagen import config_from_args, generate_dataset
+
+    try:
+        result = generate_dataset(config_from_args(args))
+    except ValueError as err:
+        print(f"rollout-ssd generate: error: {err}", file=sys.stderr)
+        return 2
+    print(f"{result.num_rows} rows in {result.output} ({result.shards_written} shards written, "
+          f"{result.shards_skipped} already done)")
+    return 0
+
+
+def _add_generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate a resumable HF dataset of rollouts from a prompt file",
+                       description="Writes DIR/data/train-*-of-*.parquet shards and DIR/manifest.json; rerun the "
+                                   "same command to resume. Load with datasets.load_dataset(DIR, split='train').")
+    p.add_argument("--input", required=True, help=".jsonl, .json, .parquet or a save_to_disk dataset directory")
+    p.add_argument("--prompt-column", default="prompt", help="text or token-id column")
+    p.add_argument("--split", default=None, help="split of an input DatasetDict")
+    p.add_argument("--output", required=True)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--method", default="ar", choices=["ar", "sd", "ssd"])
+    p.add_argument("--draft", default="default", help="'default', a checkpoint dir, a .gguf or 'none'")
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--n", type=int, default=4)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shard-size", type=int, default=64, help="prompts per shard")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template to text prompts")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.set_defaults(func=generate)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="rollout-ssd")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -82,6 +122,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=demo)
+    _add_generate_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     return args.func(args)

@@ -25,6 +25,7 @@ import torch
 
 from rollout_ssd.config import EngineConfig, SpecConfig, reject_unknown
 from rollout_ssd.decode import ARDecode, DecodeStrategy, sample_rows
+from rollout_ssd.draft_sync import DraftSync
 from rollout_ssd.kv_cache import KVCache
 from rollout_ssd.metrics import EngineMetrics
 from rollout_ssd.models.loader import LoadedModel, load_pretrained
@@ -68,6 +69,8 @@ class RolloutEngine:
         self._sync_rejected = 0
         self._receiver_threads: list = []
         self.strategy: DecodeStrategy = self._make_strategy(spec, draft)
+        # draft weight sync (draft_sync.py): draft updates, applied between rounds like target updates
+        self.draft_sync = DraftSync(lambda: self.strategy, self.target.model.hf_parameters, lambda: self._sampling)
         self._closed = False
 
     @classmethod
@@ -169,6 +172,11 @@ class RolloutEngine:
             for s in seqs
         ]
 
+    def tokenize(self, prompts: Seq[Prompt], params: Optional[SamplingParams] = None) -> list[list[int]]:
+        """The token ids `sample` would generate from (chat template applied if params.chat), with
+        every check it makes; raises ValueError naming the bad prompt's index."""
+        return self._tokenize(prompts, params or SamplingParams())
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Replace target weights (HF names). Everything is validated before anything is written, so a
         bad update raises ValueError and the engine keeps serving the old version. Called while
@@ -208,10 +216,29 @@ class RolloutEngine:
         thread.start()
         self._receiver_threads.append(thread)
 
+    # ------------------------------------------------------------------ draft weights (draft_sync.py)
+    def update_draft_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Replace draft weights (HF names of the draft; SD's neural draft or SSD's draft, worker
+        included). Validated before anything is queued (ValueError: the draft keeps its version); applied
+        between rounds, never inside one; outputs stay exactly lossless."""
+        self._check_open()
+        self.draft_sync.submit(named_tensors, version)
+
+    def attach_draft_receiver(self, receiver) -> None:
+        """Serve a `weight_sync.WeightReceiver` for the draft (see `attach_receiver`); rejected
+        transfers are counted in `sync/draft_rejected` and the draft keeps its version."""
+        self._check_open()
+        self.draft_sync.attach_receiver(receiver, closed=lambda: self._closed)
+
+    @property
+    def draft_version(self) -> int:
+        return self.draft_sync.version
+
     def _apply_pending(self, running: list[Sequence]) -> None:
         """Apply queued weight updates (between rounds only). Running sequences' target KV was computed
         under the old weights, so it is recomputed under the new ones: each later token is then verified
         under exactly the version its rollout reports."""
+        self.draft_sync.apply_pending()
         applied = False
         with self._apply_lock:
             while not self._pending.empty():
@@ -238,6 +265,7 @@ class RolloutEngine:
         out = self.stats.as_dict()
         out["sync/version"] = self.weight_version
         out["sync/rejected"] = self._sync_rejected
+        out.update(self.draft_sync.metrics())
         if reset:
             self.stats.reset()
         return out
