@@ -292,7 +292,7 @@ def draft_hf_config(target_hf_config, num_layers: int, head_size: int) -> dict:
     cfg.update(model_type="llama" if cfg.get("model_type") == "llama" else cfg["model_type"],
                architectures=["LlamaForCausalLM"] if cfg.get("model_type") == "llama" else None,
                num_hidden_layers=num_layers, head_vocab_size=int(head_size), shares_target_embedding=True,
-               tie_word_embeddings=False, torch_dtype="bfloat16")
+               tie_word_embeddings=False, dtype="bfloat16")
     return {k: v for k, v in cfg.items() if v is not None}
 
 
@@ -310,7 +310,8 @@ def make_draft(target: Decoder, head_token_ids: torch.Tensor, num_layers: int = 
     state["lm_head.token_ids"] = head_token_ids
     with torch.no_grad():
         params = draft.hf_parameters()
-        draft.embed = nn.Parameter(target.embed.detach().float(), requires_grad=False)
+        draft.embed = (target.embed if target.embed.dtype == torch.float32 else
+                       nn.Parameter(target.embed.detach().float(), requires_grad=False))
         for name, tensor in state.items():
             if name != "model.embed_tokens.weight":
                 params[name].copy_(tensor)
@@ -472,7 +473,7 @@ def train_draft(draft: Decoder, samples: Sequence[TeacherSample], config: Distil
         opt.step()
         step += 1
         seen += len(batch.rows)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if on_log is not None and (step % log_every == 0 or step == 1):
             on_log({"step": step, "loss": sum(losses[-log_every:]) / len(losses[-log_every:]), "lr": lr,
                     "positions": seen, "seconds": time.monotonic() - start})

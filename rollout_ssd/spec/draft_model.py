@@ -10,6 +10,9 @@ Draft tokens are sampled from q = the same temperature/top-k/top-p processing ap
 draft's logits (a close q accepts more; any q is exact because verification uses this very q), with
 a generator stream of the sequence's own (stream 2) that verification never touches. Greedy rows
 take argmax q. A restricted-head draft (head_token_ids) reports q on that support (`SparseDraft`).
+
+New draft weights (`apply_draft_update`, between rounds) cut every sequence's draft KV to zero: the next
+round's catch-up forward recomputes it from the whole sequence under the new weights.
 """
 
 from __future__ import annotations
@@ -37,6 +40,18 @@ class DraftModelSpeculator(Speculator):
         self.cached: dict[int, int] = {}  # id(seq) -> tokens of the sequence in the draft cache
         self.generators: dict[int, torch.Generator] = {}
         self.drafted: dict[int, list[int]] = {}  # id(seq) -> drafted tokens written after `cached`
+
+    def draft_parameters(self) -> dict[str, torch.Tensor]:
+        return self.model.hf_parameters()
+
+    def apply_draft_update(self, update, params: dict[str, torch.Tensor], names: tuple[str, ...]) -> None:
+        """Apply `update` (validated by its own `apply_to`, which raises ValueError before writing) and
+        drop the draft KV built with the old weights."""
+        update.apply_to(params)
+        for key, slot in self.slot.items():
+            self.runner.rollback(slot, 0)
+            self.cached[key] = 0
+            self.drafted[key] = []
 
     def on_admit(self, seqs: list[Sequence]) -> None:
         for seq in seqs:

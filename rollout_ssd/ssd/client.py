@@ -3,14 +3,18 @@
 `send` delivers a message that gets no answer (admit, release, build); `request` delivers one that does
 (verdicts -> chain reply) and returns the answer. A transport failure of any kind (a dead worker, a
 timeout, a malformed reply) surfaces as `WorkerFailure`, which SSDDecode turns into a fallback.
+`update_weights` brings the draft side's weights in line with the target side's copy of the draft
+(between rounds); `digest` reports a digest of the weights the draft side holds.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import torch
+
 from rollout_ssd.ssd.draft_server import DraftServer
-from rollout_ssd.ssd.messages import Message
+from rollout_ssd.ssd.messages import DraftDigest, DraftWeightsReply, Message
 
 
 class WorkerFailure(RuntimeError):
@@ -26,6 +30,15 @@ class DraftClient(ABC):
 
     @abstractmethod
     def request(self, msg: Message) -> Message:
+        ...
+
+    @abstractmethod
+    def update_weights(self, new: dict[str, torch.Tensor], old: dict[str, torch.Tensor], draft_version: int) -> None:
+        """The target side's copy of the draft now holds `new` (name -> tensor) where it held `old`
+        (name -> previous tensor, for an exact delta; may be empty): make the draft side hold it too."""
+
+    @abstractmethod
+    def digest(self) -> DraftWeightsReply:
         ...
 
     def close(self) -> None:
@@ -46,3 +59,13 @@ class LocalDraftClient(DraftClient):
         if reply is None:
             raise WorkerFailure(f"{type(msg).__name__} got no reply")
         return reply
+
+    def update_weights(self, new: dict[str, torch.Tensor], old: dict[str, torch.Tensor], draft_version: int) -> None:
+        """In process the server's model IS the target side's copy, already written: drop what it built."""
+        params = self.server.model.hf_parameters()
+        if any(params.get(n) is None or params[n].data_ptr() != t.data_ptr() for n, t in new.items()):
+            raise ValueError("LocalDraftClient.update_weights: the tensors are not this server's weights")
+        self.server.on_weights_changed(draft_version)
+
+    def digest(self) -> DraftWeightsReply:
+        return self.request(DraftDigest())

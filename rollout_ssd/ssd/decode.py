@@ -17,6 +17,13 @@ live estimates and picks one (or always "ssd+<backup>" when the rule is off; the
 Rounds that skip the draft side leave it behind; it catches up from the committed tokens (SYNC) the
 next time it is used.
 
+Draft weights (`apply_draft_update`, between rounds): the target side keeps its own copy of the draft
+(the in-process draft side, the fallback, and what a restarted worker loads); an update is validated and
+written there first, then the draft side is brought in line (in process: nothing to copy; the worker: an
+exact delta through shared memory, ssd/worker.py), and the draft side drops its cache and draft KV. A
+draft that shares a tensor with the target (the embedding of a built-in draft) follows target updates:
+`on_weights_changed` forwards a changed shared tensor to the worker the same way.
+
 Faults: if the worker dies, times out or answers nonsense, we warn once, terminate it, and finish with
 an in-process neural draft (SD) or AR. Chains already received stay valid; a sequence whose chain did
 not arrive verifies an empty proposal (an AR step). Nothing is lost or duplicated: the target's
@@ -26,6 +33,7 @@ sequences are the only record of committed tokens, and a fresh draft side is re-
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -62,6 +70,7 @@ from rollout_ssd.ssd.messages import (
 from rollout_ssd.ssd.rng import draft_key
 from rollout_ssd.ssd.strategy import EstimatesConfig, LiveEstimates, StrategyConfig, StrategyRule
 from rollout_ssd.ssd.tree import SaguaroRule
+from rollout_ssd.weight_sync.codec import checksum
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +139,12 @@ class SSDDecode(DecodeStrategy):
         self._prev_verify: Optional[float] = None
         self._prev_budget = 0
         self.client: Optional[DraftClient] = None
+        self.draft_version = 0
+        self._weights_lock = threading.Lock()  # draft weight traffic may come from a receiver thread
+        target_storages = {t.untyped_storage().data_ptr() for t in runner.model.hf_parameters().values()}
+        self._shared_names = [n for n, t in draft_model.hf_parameters().items()
+                              if t.untyped_storage().data_ptr() in target_storages]
+        self._shared_checksums: dict[str, str] = {}
         try:
             self.client = self._start_client(worker=config.worker)
         except WorkerFailure as err:  # a worker that cannot start is a failure like any other
@@ -138,13 +153,16 @@ class SSDDecode(DecodeStrategy):
     # ------------------------------------------------------------------ draft side
     def _local_server(self) -> DraftServer:
         return DraftServer(self.draft_model, self.num_slots, self.max_model_len, self.k, self.config.max_branches,
-                           SaguaroRule(C=self.config.saguaro_c, c_min=self.config.c_min))
+                           SaguaroRule(C=self.config.saguaro_c, c_min=self.config.c_min), draft_version=self.draft_version)
 
     def _start_client(self, worker: bool) -> DraftClient:
+        params = self.draft_model.hf_parameters()
+        self._shared_checksums = {n: checksum(params[n]) for n in self._shared_names}  # what the draft side holds
         if worker:
             from rollout_ssd.ssd.worker import WorkerClient
 
-            return WorkerClient.start(self.draft_model, self.num_slots, self.max_model_len, self.config)
+            return WorkerClient.start(self.draft_model, self.num_slots, self.max_model_len, self.config,
+                                      draft_version=self.draft_version)
         return LocalDraftClient(self._local_server())
 
     def _admit_rows(self, seqs: list[Sequence]) -> AdmitSequences:
@@ -236,6 +254,52 @@ class SSDDecode(DecodeStrategy):
             self.client = None
         if self.backup is not None:
             self.backup.close()
+
+    # ------------------------------------------------------------------ draft weights (between rounds)
+    def draft_parameters(self) -> dict[str, torch.Tensor]:
+        """The target side's copy of the draft, by HF name (what updates are validated against)."""
+        return self.draft_model.hf_parameters()
+
+    def apply_draft_update(self, update, params: dict[str, torch.Tensor], names: tuple[str, ...]) -> None:
+        """Apply `update` (anything with `version` and `apply_to(params)`, which validates before it
+        writes and raises ValueError) to the target side's copy, then bring the draft side in line."""
+        with self._weights_lock:
+            remote = self.client is not None and not self.client.in_process
+            old = {n: params[n].detach().clone() for n in names if n in params} if remote else {}
+            update.apply_to(params)
+            self.draft_version = update.version
+            self._push({n: params[n] for n in names}, old)
+
+    def on_weights_changed(self) -> None:
+        """The target's weights changed: a tensor the draft shares with it changed too, so the draft side
+        gets it (the worker holds its own copy) and drops what the old value built."""
+        if not self._shared_names or self.client is None:
+            return
+        with self._weights_lock:
+            params = self.draft_model.hf_parameters()
+            changed = {n: params[n] for n in self._shared_names if checksum(params[n]) != self._shared_checksums.get(n)}
+            if changed:
+                self._push(changed, {})
+
+    def draft_digest(self) -> int:
+        """weights_digest of the weights the draft side holds now (asked of the worker itself)."""
+        with self._weights_lock:
+            if self.client is None:
+                from rollout_ssd.ssd.draft_server import weights_digest
+
+                return weights_digest(self.draft_model.hf_parameters())
+            return self.client.digest().digest
+
+    def _push(self, new: dict[str, torch.Tensor], old: dict[str, torch.Tensor]) -> None:
+        if self.client is None:
+            return
+        try:
+            self.client.update_weights(new, old, self.draft_version)
+        except WorkerFailure as err:  # the fallback starts from the target side's (updated) copy
+            self._fail(err)
+        for n in self._shared_names:
+            if n in new:
+                self._shared_checksums[n] = checksum(new[n])
 
     # ------------------------------------------------------------------ one round
     def step(self, running: list[Sequence]) -> int:

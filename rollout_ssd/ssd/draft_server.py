@@ -9,10 +9,17 @@ token ids outside the vocabulary and verdicts that do not match the chain it was
 
 Per sequence it keeps the committed tokens it knows of and the chain under verification; a verdict
 (k, t*) extends the committed tokens by chain[:k] + [t*] and is looked up in the cache.
+
+New draft weights arrive between rounds (`apply_update`, a verified weight_sync transfer; in process the
+weights are written directly and `on_weights_changed` is called). Everything derived from the old
+weights goes: the speculation cache is emptied and every sequence's draft KV is cut to zero, so the
+next glue forward or on-demand chain recomputes it from the committed tokens under the new weights.
+(Dropping is for quality, not exactness: a chain is verified against the q it was drawn from.)
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Optional
 
@@ -32,15 +39,55 @@ from rollout_ssd.ssd.messages import (
     BuildCache,
     ChainReply,
     ChainRow,
+    DraftDigest,
+    DraftWeightsReply,
     Message,
     ReleaseSequences,
+    UpdateDraftWeights,
     Verdicts,
 )
 from rollout_ssd.ssd.tree import BuildStats, DraftSeq, SaguaroRule, TreeDrafter
+from rollout_ssd.weight_sync import Ack, Packet, Transport, TransportError, WeightReceiver, WeightSyncError
+from rollout_ssd.weight_sync.codec import checksum
 
 
 class ProtocolError(ValueError):
     """A message that contradicts the draft side's state."""
+
+
+def weights_digest(params: dict[str, torch.Tensor]) -> int:
+    """A signed int64 digest of named tensors: sha256 over (name, dtype, shape, weight_sync checksum of the
+    bytes) in name order. Equal digests mean bitwise-equal weights (up to hash collisions)."""
+    h = hashlib.sha256()
+    for name in sorted(params):
+        t = params[name]
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|{checksum(t)};".encode())
+    return int.from_bytes(h.digest()[:8], "little", signed=True)
+
+
+class _OnePacket(Transport):
+    """A transport holding one packet already read from shared memory; acks are kept, not sent."""
+
+    num_receivers = 1
+
+    def __init__(self, packet: Packet):
+        self._packet: Optional[Packet] = packet
+        self.acks: list[Ack] = []
+
+    def send(self, packet: Packet) -> int:
+        raise TypeError("the draft side never sends weights")
+
+    def receive(self, timeout: Optional[float] = None) -> Packet:
+        if self._packet is None:
+            raise TransportError("no draft weight update is waiting")
+        packet, self._packet = self._packet, None
+        return packet
+
+    def send_ack(self, ack: Ack) -> None:
+        self.acks.append(ack)
+
+    def receive_acks(self, version: int, timeout: Optional[float] = None) -> list[Ack]:
+        raise TypeError("the draft side receives no acks")
 
 
 def draft_max_len(max_model_len: int, k: int, max_branches: int) -> int:
@@ -50,8 +97,11 @@ def draft_max_len(max_model_len: int, k: int, max_branches: int) -> int:
 
 class DraftServer:
     def __init__(self, model: Decoder, num_slots: int, max_model_len: int, k: int, max_branches: int,
-                 saguaro: SaguaroRule = SaguaroRule()):
+                 saguaro: SaguaroRule = SaguaroRule(), draft_version: int = 0):
         self.model = model
+        self.draft_version = draft_version
+        self.transfer = 0  # the last weight transfer applied (UpdateDraftWeights.transfer)
+        self.last_error = ""  # why the last rejected update was rejected
         self.vocab = model.cfg.vocab_size
         self.k = k
         self.max_branches = max_branches
@@ -72,6 +122,9 @@ class DraftServer:
             self.release(msg)
         elif isinstance(msg, Barrier):
             return BarrierReply()
+        elif isinstance(msg, DraftDigest):
+            return DraftWeightsReply(True, self.transfer, self.draft_version,
+                                     weights_digest(self.model.hf_parameters()))
         else:
             raise ProtocolError(f"the draft side does not handle {type(msg).__name__}")
         return None
@@ -168,6 +221,32 @@ class DraftServer:
             entries = self.drafter.build(todo, msg.fanout, self._last_build)
             for seq_id, e in entries.items():
                 self.cache.put(seq_id, e)
+
+    # ------------------------------------------------------------------ draft weights
+    def apply_update(self, packet: Packet, msg: UpdateDraftWeights) -> DraftWeightsReply:
+        """Verify a weight_sync transfer (manifest, bucket and tensor checksums, names, shapes, dtypes,
+        finite values, transfer newer than the last and, for deltas, based on exactly the weights held)
+        and apply it; on any rejection nothing changes and the reply says so."""
+        params = self.model.hf_parameters()
+        receiver = WeightReceiver(_OnePacket(packet), version=self.transfer, reference=params)
+        try:
+            if packet.version != msg.transfer:
+                raise WeightSyncError(f"transfer {packet.version} does not match the message's {msg.transfer}")
+            receiver.receive().apply_to(params)
+        except WeightSyncError as err:
+            self.last_error = str(err)
+            return DraftWeightsReply(False, self.transfer, self.draft_version, 0)
+        self.transfer = msg.transfer
+        self.on_weights_changed(msg.draft_version)
+        return DraftWeightsReply(True, self.transfer, self.draft_version, 0)  # digest on request only
+
+    def on_weights_changed(self, draft_version: int) -> None:
+        """The draft's weights were replaced: drop the cache and every sequence's draft KV."""
+        self.draft_version = draft_version
+        self.cache = SpeculationCache()
+        for st in self.seqs.values():
+            st.base, st.spec = 0, []
+            self.runner.rollback(st.slot, 0)
 
     # ------------------------------------------------------------------ helpers
     def _seq(self, seq_id: int) -> DraftSeq:

@@ -12,6 +12,9 @@ Per round (THEORY.md §2):
                                  from them while the target verifies (no reply)
 Around it: AdmitSequences (prefill; no reply), ReleaseSequences, Barrier -> BarrierReply, Shutdown,
 and Ready (draft -> target, once, after loading).
+Draft weights (between rounds): UpdateDraftWeights -> DraftWeightsReply (the new tensors travel as a
+weight_sync transfer in a file of the worker's shared-memory directory; the message holds only its
+sizes), and DraftDigest -> DraftWeightsReply (a digest of every draft weight, to check it from outside).
 """
 
 from __future__ import annotations
@@ -265,8 +268,74 @@ class Ready(Message):
         return cls(pid)
 
 
+@dataclass(frozen=True)
+class UpdateDraftWeights(Message):
+    """New draft weights, applied between rounds. The payload is a weight_sync transfer (JSON manifest +
+    uint8 buckets, full or exact-delta tensors with checksums) in the file `draft_update.<transfer>` of
+    the worker's directory: the manifest at offset 0, then each bucket at the next 64-byte boundary.
+    transfer: strictly increasing per worker (the transfer's weight_sync version); draft_version: the
+    engine's draft version after this update (reported back, never checked against the manifest)."""
+
+    KIND: ClassVar[int] = 10
+    transfer: int
+    draft_version: int
+    manifest_nbytes: int
+    bucket_nbytes: tuple[int, ...]
+
+    def encode(self):
+        return [self.transfer, self.draft_version, self.manifest_nbytes, len(self.bucket_nbytes),
+                *self.bucket_nbytes], None
+
+    @classmethod
+    def decode(cls, ints, floats):
+        rd = _Reader(ints)
+        transfer, version, manifest_nbytes, n = rd.take(4)
+        sizes = tuple(rd.take(n))
+        rd.done()
+        if transfer < 1 or version < 0 or manifest_nbytes < 1 or any(s < 0 for s in sizes):
+            raise MalformedMessage("draft weight update has negative sizes or versions")
+        return cls(transfer, version, manifest_nbytes, sizes)
+
+    def layout(self) -> tuple[list[int], int]:
+        """(offset of each bucket in the file, total file size)."""
+        offsets, end = [], self.manifest_nbytes
+        for n in self.bucket_nbytes:
+            start = -(-end // 64) * 64
+            offsets.append(start)
+            end = start + n
+        return offsets, end
+
+
+@dataclass(frozen=True)
+class DraftDigest(Message):
+    """Asks for a DraftWeightsReply describing the weights the draft side holds now."""
+
+    KIND: ClassVar[int] = 11
+
+
+@dataclass(frozen=True)
+class DraftWeightsReply(Message):
+    KIND: ClassVar[int] = 12
+    accepted: bool  # the update was applied (always True for DraftDigest)
+    transfer: int  # the last transfer applied (0: none since start)
+    draft_version: int
+    digest: int  # weights_digest() of every draft weight, as a signed int64
+
+    def encode(self):
+        return [int(self.accepted), self.transfer, self.draft_version, self.digest], None
+
+    @classmethod
+    def decode(cls, ints, floats):
+        rd = _Reader(ints)
+        accepted, transfer, version, digest = rd.take(4)
+        rd.done()
+        return cls(bool(accepted), transfer, version, digest)
+
+
 MESSAGES: dict[int, type[Message]] = {
     m.KIND: m for m in (AdmitSequences, ReleaseSequences, Verdicts, ChainReply, BuildCache, Barrier, BarrierReply,
-                        Shutdown, Ready)
+                        Shutdown, Ready, UpdateDraftWeights, DraftDigest, DraftWeightsReply)
 }
-REPLIES = {Verdicts: ChainReply, Barrier: BarrierReply}  # requests that get an answer
+# requests that get an answer
+REPLIES = {Verdicts: ChainReply, Barrier: BarrierReply, UpdateDraftWeights: DraftWeightsReply,
+           DraftDigest: DraftWeightsReply}

@@ -14,6 +14,12 @@ worker handles messages in order, so a reply proves every earlier payload was re
 does not fit first waits for a Barrier reply. Worker -> target payloads are only replies, read (and
 copied) before the next request.
 
+Draft weights: `update_weights` encodes the changed tensors as a weight_sync transfer (exact XOR deltas
+against the previous values, or full tensors; checksums per tensor and bucket) into the file
+`draft_update.<transfer>` of the shared directory, and sends an UpdateDraftWeights header with its sizes.
+The worker verifies it strictly (DraftServer.apply_update) between two commands, applies it, drops what
+the old weights built, and acknowledges; a rejection is a WorkerFailure (the target side falls back).
+
 Faults: every wait has a timeout (startup_timeout, then worker_timeout); a timeout, EOF, socket error or
 malformed reply raises WorkerFailure. close() (and weakref.finalize at garbage collection or interpreter
 exit) sends Shutdown, joins with a timeout, then terminates and kills, and removes the shared files.
@@ -41,7 +47,20 @@ import torch
 from rollout_ssd.models.decoder import Decoder
 from rollout_ssd.ssd.client import DraftClient, WorkerFailure
 from rollout_ssd.ssd.config import SSDConfig
-from rollout_ssd.ssd.messages import MESSAGES, REPLIES, Barrier, MalformedMessage, Message, Ready, Shutdown
+from rollout_ssd.ssd.messages import (
+    MESSAGES,
+    REPLIES,
+    Barrier,
+    DraftDigest,
+    DraftWeightsReply,
+    MalformedMessage,
+    Message,
+    Ready,
+    Shutdown,
+    UpdateDraftWeights,
+)
+from rollout_ssd.weight_sync import Packet
+from rollout_ssd.weight_sync.codec import checksum, encode_tensor, pack
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +164,7 @@ def worker_main(args: dict) -> None:
         bufs = _Buffers.open(args["directory"], tuple(args["sizes"]))
         model = _load_model(args)
         server = DraftServer(model, args["num_slots"], args["max_model_len"], args["k"], args["max_branches"],
-                             SaguaroRule(C=args["C"], c_min=args["c_min"]))
+                             SaguaroRule(C=args["C"], c_min=args["c_min"]), draft_version=args.get("draft_version", 0))
         _reply(sock, bufs, Ready(os.getpid()), 0)
         while True:
             kind, seq, offset, n_ints, n_floats = _read_header(sock)
@@ -155,7 +174,10 @@ def worker_main(args: dict) -> None:
             msg = MESSAGES[kind].decode(ints, None)
             if isinstance(msg, Shutdown):
                 break
-            reply = server.handle(msg)
+            if isinstance(msg, UpdateDraftWeights):
+                reply = _apply_update(server, args["directory"], msg)
+            else:
+                reply = server.handle(msg)
             if reply is not None:
                 _reply(sock, bufs, reply, seq)
     except EOFError:
@@ -166,6 +188,30 @@ def worker_main(args: dict) -> None:
         os._exit(1)
     finally:
         sock.close()
+
+
+def update_path(directory: str, transfer: int) -> str:
+    return os.path.join(directory, f"draft_update.{int(transfer)}")
+
+
+def _apply_update(server, directory: str, msg: UpdateDraftWeights) -> DraftWeightsReply:
+    """Read the transfer's file (exactly the size the header announces) and let the server verify and
+    apply it; a missing or mis-sized file is a rejection like any other."""
+    offsets, total = msg.layout()
+    path = update_path(directory, msg.transfer)
+    try:
+        if os.path.getsize(path) != total:
+            raise MalformedMessage(f"{path} has {os.path.getsize(path)} bytes, the header says {total}")
+        raw = torch.from_file(path, shared=False, size=total, dtype=torch.uint8)
+    except (OSError, MalformedMessage, RuntimeError) as err:
+        print(f"draft worker: weight update {msg.transfer} rejected: {err}", file=sys.stderr, flush=True)
+        return DraftWeightsReply(False, server.transfer, server.draft_version, 0)
+    packet = Packet(version=msg.transfer, manifest=raw[: msg.manifest_nbytes],
+                    buckets=tuple(raw[o: o + n] for o, n in zip(offsets, msg.bucket_nbytes)))
+    reply = server.apply_update(packet, msg)
+    if not reply.accepted:
+        print(f"draft worker: weight update {msg.transfer} rejected: {server.last_error}", file=sys.stderr, flush=True)
+    return reply
 
 
 def _reply(sock, bufs: _Buffers, msg: Message, seq: int) -> None:
@@ -269,6 +315,8 @@ class WorkerClient(DraftClient):
 
     def __init__(self, resources: _Resources, bufs: _Buffers, timeout: float):
         self._res = resources
+        self._transfer = 0  # draft weight transfers sent (the worker has applied all of them)
+        self.weight_bytes = 0  # bytes of draft weight transfers written for the worker
         self._bufs = bufs
         self._timeout = timeout
         self._offset = 0
@@ -285,10 +333,11 @@ class WorkerClient(DraftClient):
         return self._res.proc
 
     @classmethod
-    def start(cls, draft_model: Decoder, num_slots: int, max_model_len: int, config: SSDConfig) -> "WorkerClient":
+    def start(cls, draft_model: Decoder, num_slots: int, max_model_len: int, config: SSDConfig,
+              draft_version: int = 0) -> "WorkerClient":
         res = _Resources()
         try:
-            return cls._start(res, draft_model, num_slots, max_model_len, config)
+            return cls._start(res, draft_model, num_slots, max_model_len, config, draft_version)
         except BaseException as err:
             res.release()
             if isinstance(err, (OSError, EOFError, MalformedMessage, TimeoutError)):
@@ -296,7 +345,7 @@ class WorkerClient(DraftClient):
             raise
 
     @classmethod
-    def _start(cls, res, draft_model, num_slots, max_model_len, config) -> "WorkerClient":
+    def _start(cls, res, draft_model, num_slots, max_model_len, config, draft_version) -> "WorkerClient":
         base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         res.directory = tempfile.mkdtemp(prefix="rollout-ssd-", dir=base)
         vocab = draft_model.cfg.vocab_size
@@ -325,6 +374,7 @@ class WorkerClient(DraftClient):
             "rope_scaling": float(draft_model.rope_scaling), "dtype": str(draft_model.dtype).replace("torch.", ""),
             "num_slots": num_slots, "max_model_len": max_model_len, "k": config.k,
             "max_branches": config.max_branches, "C": config.saguaro_c, "c_min": config.c_min, "core": core,
+            "draft_version": int(draft_version),
         }
         # A fresh interpreter running this module: unlike multiprocessing's spawn it never re-imports
         # the caller's __main__ (scripts without a main guard and notebooks work), and it receives
@@ -378,6 +428,50 @@ class WorkerClient(DraftClient):
         reply = self._receive(reply_type, self._timeout, expect_seq=self._seq)
         self._offset = 0
         return reply
+
+    def update_weights(self, new: dict[str, torch.Tensor], old: dict[str, torch.Tensor],
+                       draft_version: int) -> None:
+        """Bring the worker's draft to `new` (name -> tensor; `old[name]`, where given, is what the worker
+        holds now, so an exact delta is sent; else the full tensor). Blocks until the worker applied it."""
+        self._check()
+        transfer = self._transfer + 1
+        encoded = []
+        for name, tensor in new.items():
+            t = tensor.detach().contiguous().cpu()
+            base = old.get(name)
+            base = None if base is None else base.detach().contiguous().cpu()
+            encoded.append(encode_tensor(name, t, base, checksum(base) if base is not None else "",
+                                         max_delta_share=0.5, compression="none", level=0))
+        has_delta = any(e.entry.encoding == "delta" for e in encoded)
+        manifest, buckets = pack(encoded, transfer, transfer - 1 if has_delta else None, 1 << 40,
+                                 torch.device("cpu"))
+        head = manifest.to_bytes()
+        msg = UpdateDraftWeights(transfer, int(draft_version), len(head), tuple(b.numel() for b in buckets))
+        offsets, total = msg.layout()
+        path = update_path(self._res.directory, transfer)
+        try:
+            with open(path, "wb") as f:
+                f.write(head)
+                for offset, bucket in zip(offsets, buckets):
+                    f.seek(offset)
+                    f.write(bucket.numpy())
+                f.truncate(total)
+            reply = self.request(msg)
+        except OSError as err:
+            raise self._die(f"writing the draft weight update failed: {err}") from err
+        finally:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        if not reply.accepted or reply.transfer != transfer:
+            raise self._die(f"the worker rejected draft weight transfer {transfer} (see its stderr)")
+        self._transfer = transfer
+        self.weight_bytes += total
+
+    def digest(self) -> DraftWeightsReply:
+        """The worker's own digest of every draft weight it holds (draft_server.weights_digest)."""
+        return self.request(DraftDigest())
 
     def _barrier(self) -> None:
         self._seq += 1

@@ -12,17 +12,19 @@ a transfer is a JSON manifest plus uint8 buckets, both sent as tensors.
     transport.py    the Transport interface, Packet, Ack
     in_process.py   InProcessTransport (same process, zero-copy)
     distributed.py  DistributedTransport (torch.distributed broadcast, gloo or NCCL)
+    learner.py      LearnerSync: the learner's senders for the target and the draft, stats per sync
 """
 
 from .distributed import DistributedTransport
 from .errors import TransportError, TransportTimeout, WeightSyncError
 from .in_process import InProcessTransport
+from .learner import LearnerSync
 from .receiver import ReceiverConfig, ReceiveStats, StagedUpdate, WeightReceiver
 from .sender import SenderConfig, TransferStats, WeightSender
 from .transport import Ack, Packet, Transport
 
 __all__ = [
-    "Ack", "DistributedTransport", "InProcessTransport", "Packet", "ReceiveStats", "ReceiverConfig",
+    "Ack", "DistributedTransport", "InProcessTransport", "LearnerSync", "Packet", "ReceiveStats", "ReceiverConfig",
     "SenderConfig", "StagedUpdate", "TransferStats", "Transport", "TransportError", "TransportTimeout",
     "WeightReceiver", "WeightSender", "WeightSyncError",
 ]
