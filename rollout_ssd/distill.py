@@ -486,7 +486,7 @@ def train_draft(draft: Decoder, samples: Sequence[TeacherSample], config: Distil
 
 
 @torch.no_grad()
-def eval_kl(draft: Decoder, samples: Sequence[TeacherSample], batch_tokens: int = 4096) -> float:
+def eval_kl(draft: Decoder, samples: Sequence[TeacherSample]) -> float:
     """distill_loss averaged over `samples` (e.g. held-out ones)."""
     index = head_index(draft)
     total = count = 0.0
@@ -533,21 +533,25 @@ def measure_acceptance(target: Decoder, draft: Decoder, prompt_ids: Sequence[Seq
 
 @torch.no_grad()
 def measure_cost(target: Decoder, draft: Decoder, batch_sizes: Sequence[int] = (1, 8), context: int = 128,
-                 steps: int = 20) -> dict[int, dict[str, float]]:
-    """Seconds per decode step of target and draft at each batch size (context tokens already cached),
-    median of `steps` steps after a warm-up, and the ratio draft / target."""
+                 steps: int = 30) -> dict[int, dict[str, float]]:
+    """Seconds per decode step of target and draft at each batch size (`context` tokens already cached),
+    median over `steps` steps after a warm-up, and the ratio draft / target. Target and draft steps
+    alternate, so load from other processes hits both alike."""
     out = {}
     for b in batch_sizes:
-        times = {}
+        runners = {}
         for name, model in (("target", target), ("draft", draft)):
             runner = ModelRunner(model, b, context + steps + 8)
             slots = [runner.allocate() for _ in range(b)]
             runner.prefill(slots, [[1] * context for _ in range(b)])
-            samples = []
-            for i in range(steps + 3):
+            runners[name] = (runner, slots)
+        times: dict[str, list[float]] = {"target": [], "draft": []}
+        for i in range(steps + 3):
+            for name, (runner, slots) in runners.items():
                 t0 = time.perf_counter()
                 runner.decode(slots, [7 + i] * b)
-                samples.append(time.perf_counter() - t0)
-            times[name] = sorted(samples[3:])[len(samples[3:]) // 2]
-        out[b] = {"target_s": times["target"], "draft_s": times["draft"], "ratio": times["draft"] / times["target"]}
+                if i >= 3:
+                    times[name].append(time.perf_counter() - t0)
+        med = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+        out[b] = {"target_s": med["target"], "draft_s": med["draft"], "ratio": med["draft"] / med["target"]}
     return out

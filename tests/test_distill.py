@@ -1,0 +1,137 @@
+"""Draft distillation (rollout_ssd.distill) on a tiny random Llama, and the committed default draft."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rollout_ssd import distill
+from rollout_ssd.models.loader import load_pretrained
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # a peakier random model, so the KL has something to learn
+        model.lm_head.weight.mul_(8.0)
+    path = tmp_path_factory.mktemp("tiny_target")
+    model.save_pretrained(path)
+    return load_pretrained(str(path), dtype="float32", with_tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tiny_target):
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 96, (int(torch.randint(3, 8, (), generator=gen)),), generator=gen).tolist()
+               for _ in range(12)]
+    temps = [1.0, 0.7, 0.0] * 4
+    return distill.sample_with_teacher(tiny_target.model, prompts, temps, max_new_tokens=12, top_k=16,
+                                       batch_size=5, seed=0)
+
+
+def test_build_prompts_splits_by_template():
+    split = distill.build_prompts(200, 40, seed=0)
+    assert len(split.train) == 200 and len(split.heldout) == 40
+    assert not set(split.train) & set(split.heldout)
+    assert len(set(split.train)) == 200
+    assert any("How many" in p for p in split.train)  # arithmetic word problems are in the mix
+    assert split == distill.build_prompts(200, 40, seed=0)
+
+
+def test_teacher_records_match_a_separate_teacher_pass(tiny_target, tiny_data):
+    """The top-k recorded while sampling equals the top-k of a forward over prompt + completion."""
+    sample = tiny_data[0]
+    again = distill.teacher_topk(tiny_target.model, [sample.token_ids], [sample.prompt_len], top_k=16)[0]
+    assert torch.equal(again.topk_ids, sample.topk_ids)
+    torch.testing.assert_close(again.topk_logp.float(), sample.topk_logp.float(), atol=2e-3, rtol=0)
+
+
+def test_distillation_reduces_kl(tiny_target, tiny_data):
+    head = distill.select_head_tokens(tiny_data, 48, always=[2])
+    draft = distill.make_draft(tiny_target.model, head, num_layers=1)
+    before = distill.eval_kl(draft, tiny_data)
+    stats = distill.train_draft(draft, tiny_data, distill.DistillConfig(lr=3e-3, warmup_steps=2, batch_tokens=40,
+                                                                       minutes=1.0, max_steps=60))
+    after = distill.eval_kl(draft, tiny_data)
+    assert stats.steps == 60
+    assert after < 0.5 * before, (before, after)
+    assert not any(p.requires_grad for p in draft.parameters())
+    assert draft.embed is tiny_target.model.embed  # shared, never trained
+
+
+def test_saved_draft_reloads_with_shared_embedding(tiny_target, tiny_data, tmp_path):
+    head = distill.select_head_tokens(tiny_data, 40, always=[2])
+    draft = distill.make_draft(tiny_target.model, head, num_layers=2)
+    with torch.no_grad():
+        for p in distill.trainable_parameters(draft):
+            p.add_(0.01 * torch.randn_like(p))
+    distill.round_weights(draft)
+    hf = distill.draft_hf_config(tiny_target.hf_config, 2, len(head))
+    size = distill.save_draft(draft, hf, tmp_path)
+    from safetensors.torch import load_file
+
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert "model.embed_tokens.weight" not in stored
+    assert stored["model.layers.0.mlp.down_proj.weight"].dtype == torch.bfloat16
+    assert size == (tmp_path / "model.safetensors").stat().st_size
+    with pytest.raises(ValueError, match="shares its target"):
+        load_pretrained(str(tmp_path), dtype="float32", with_tokenizer=False)
+    loaded = load_pretrained(str(tmp_path), dtype="float32", with_tokenizer=False,
+                             share_embedding_from=tiny_target.model).model
+    assert loaded.cfg.head_vocab_size == 40 and loaded.cfg.num_layers == 2
+    assert torch.equal(loaded.head_token_ids, head)
+    tokens = torch.tensor([tiny_data[1].token_ids, tiny_data[2].token_ids[:len(tiny_data[1].token_ids)]])
+    with torch.no_grad():
+        expected = draft.logits(draft.forward_train(tokens))
+        got = loaded.logits(loaded.forward_train(tokens))
+    assert torch.equal(got, expected)
+    assert torch.isinf(got[..., [t for t in range(96) if t not in set(head.tolist())]]).all()
+
+
+def test_measure_acceptance_identical_draft_accepts_everything(tiny_target):
+    """A 'draft' that is the target itself: greedy acceptance 1, T=1 acceptance 1 (up to rounding)."""
+    model = tiny_target.model
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    greedy = distill.measure_acceptance(model, model, prompts, 0.0, max_new_tokens=6, batch_size=2)
+    sampled = distill.measure_acceptance(model, model, prompts, 1.0, max_new_tokens=6, batch_size=2)
+    assert greedy.accept_rate == 1.0 and greedy.positions > 0
+    assert sampled.accept_rate == pytest.approx(1.0, abs=1e-5)
+
+
+DEFAULT_DRAFT = Path(__file__).resolve().parent.parent / "rollout_ssd/assets/drafts/smollm2-135m-instruct-draft"
+
+
+@pytest.mark.skipif(not (DEFAULT_DRAFT / "config.json").is_file(), reason="default draft not built yet")
+def test_committed_default_draft():
+    from transformers import AutoConfig
+
+    from rollout_ssd.models.registry import resolve_draft
+
+    path = Path(resolve_draft("default", "smollm2-135m-instruct"))
+    assert path == DEFAULT_DRAFT
+    assert (path / "model.safetensors").stat().st_size <= 25_000_000
+    assert (path / "PROVENANCE.md").is_file()
+    cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    assert cfg.model_type == "llama" and cfg.num_hidden_layers == 2
+    assert cfg.shares_target_embedding and not cfg.tie_word_embeddings
+    assert cfg.head_vocab_size == 8192
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert "model.embed_tokens.weight" not in keys
+        assert f.get_slice("lm_head.weight").get_shape() == [8192, cfg.hidden_size]
+        assert f.get_slice("lm_head.token_ids").get_shape() == [8192]
+    # The full load, with a stand-in for the target's embedding (loading the real target takes ~30 s).
+    stand_in = SimpleNamespace(embed=torch.zeros(cfg.vocab_size, cfg.hidden_size))
+    draft = load_pretrained(str(path), dtype="float32", with_tokenizer=False, share_embedding_from=stand_in).model
+    assert draft.cfg.head_vocab_size == 8192 and draft.head_token_ids.unique().numel() == 8192
+    assert set(draft.cfg.eos_token_ids) <= set(draft.head_token_ids.tolist())
+    assert draft.embed.data_ptr() == stand_in.embed.data_ptr()
