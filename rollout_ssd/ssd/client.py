@@ -64,7 +64,7 @@ class LocalDraftClient(DraftClient):
         """In process the server's model IS the target side's copy, already written: drop what it built."""
         params = self.server.model.hf_parameters()
         if any(params.get(n) is None or params[n].data_ptr() != t.data_ptr() for n, t in new.items()):
-            raise ValueError("LocalDraftClient.update_weights: the tensors are not this server's weights")
+            raise RuntimeError("LocalDraftClient.update_weights: the tensors are not this server's weights")
         self.server.on_weights_changed(draft_version)
 
     def digest(self) -> DraftWeightsReply:

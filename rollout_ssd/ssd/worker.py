@@ -14,11 +14,10 @@ worker handles messages in order, so a reply proves every earlier payload was re
 does not fit first waits for a Barrier reply. Worker -> target payloads are only replies, read (and
 copied) before the next request.
 
-Draft weights: `update_weights` encodes the changed tensors as a weight_sync transfer (exact XOR deltas
-against the previous values, or full tensors; checksums per tensor and bucket) into the file
-`draft_update.<transfer>` of the shared directory, and sends an UpdateDraftWeights header with its sizes.
-The worker verifies it strictly (DraftServer.apply_update) between two commands, applies it, drops what
-the old weights built, and acknowledges; a rejection is a WorkerFailure (the target side falls back).
+Draft weights: `update_weights` writes the changed tensors as a weight_sync transfer into a file of the
+shared directory (ssd/weight_file.py) and sends an UpdateDraftWeights header with its sizes. The worker
+verifies it strictly (DraftServer.apply_update) between two commands, applies it, drops what the old
+weights built, and acknowledges; a rejection is a WorkerFailure (the target side falls back).
 
 Faults: every wait has a timeout (startup_timeout, then worker_timeout); a timeout, EOF, socket error or
 malformed reply raises WorkerFailure. close() (and weakref.finalize at garbage collection or interpreter
@@ -59,8 +58,7 @@ from rollout_ssd.ssd.messages import (
     Shutdown,
     UpdateDraftWeights,
 )
-from rollout_ssd.weight_sync import Packet
-from rollout_ssd.weight_sync.codec import checksum, encode_tensor, pack
+from rollout_ssd.ssd.weight_file import read_update, update_path, write_update
 
 log = logging.getLogger(__name__)
 
@@ -190,24 +188,14 @@ def worker_main(args: dict) -> None:
         sock.close()
 
 
-def update_path(directory: str, transfer: int) -> str:
-    return os.path.join(directory, f"draft_update.{int(transfer)}")
-
-
 def _apply_update(server, directory: str, msg: UpdateDraftWeights) -> DraftWeightsReply:
-    """Read the transfer's file (exactly the size the header announces) and let the server verify and
-    apply it; a missing or mis-sized file is a rejection like any other."""
-    offsets, total = msg.layout()
-    path = update_path(directory, msg.transfer)
+    """Read the transfer's file and let the server verify and apply it; a missing or mis-sized file is a
+    rejection like any other."""
     try:
-        if os.path.getsize(path) != total:
-            raise MalformedMessage(f"{path} has {os.path.getsize(path)} bytes, the header says {total}")
-        raw = torch.from_file(path, shared=False, size=total, dtype=torch.uint8)
+        packet = read_update(directory, msg)
     except (OSError, MalformedMessage, RuntimeError) as err:
         print(f"draft worker: weight update {msg.transfer} rejected: {err}", file=sys.stderr, flush=True)
         return DraftWeightsReply(False, server.transfer, server.draft_version, 0)
-    packet = Packet(version=msg.transfer, manifest=raw[: msg.manifest_nbytes],
-                    buckets=tuple(raw[o: o + n] for o, n in zip(offsets, msg.bucket_nbytes)))
     reply = server.apply_update(packet, msg)
     if not reply.accepted:
         print(f"draft worker: weight update {msg.transfer} rejected: {server.last_error}", file=sys.stderr, flush=True)
@@ -435,27 +423,9 @@ class WorkerClient(DraftClient):
         holds now, so an exact delta is sent; else the full tensor). Blocks until the worker applied it."""
         self._check()
         transfer = self._transfer + 1
-        encoded = []
-        for name, tensor in new.items():
-            t = tensor.detach().contiguous().cpu()
-            base = old.get(name)
-            base = None if base is None else base.detach().contiguous().cpu()
-            encoded.append(encode_tensor(name, t, base, checksum(base) if base is not None else "",
-                                         max_delta_share=0.5, compression="none", level=0))
-        has_delta = any(e.entry.encoding == "delta" for e in encoded)
-        manifest, buckets = pack(encoded, transfer, transfer - 1 if has_delta else None, 1 << 40,
-                                 torch.device("cpu"))
-        head = manifest.to_bytes()
-        msg = UpdateDraftWeights(transfer, int(draft_version), len(head), tuple(b.numel() for b in buckets))
-        offsets, total = msg.layout()
         path = update_path(self._res.directory, transfer)
         try:
-            with open(path, "wb") as f:
-                f.write(head)
-                for offset, bucket in zip(offsets, buckets):
-                    f.seek(offset)
-                    f.write(bucket.numpy())
-                f.truncate(total)
+            msg = write_update(self._res.directory, transfer, draft_version, new, old)
             reply = self.request(msg)
         except OSError as err:
             raise self._die(f"writing the draft weight update failed: {err}") from err
@@ -467,7 +437,7 @@ class WorkerClient(DraftClient):
         if not reply.accepted or reply.transfer != transfer:
             raise self._die(f"the worker rejected draft weight transfer {transfer} (see its stderr)")
         self._transfer = transfer
-        self.weight_bytes += total
+        self.weight_bytes += msg.layout()[1]
 
     def digest(self) -> DraftWeightsReply:
         """The worker's own digest of every draft weight it holds (draft_server.weights_digest)."""
