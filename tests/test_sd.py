@@ -3,7 +3,6 @@ logprobs, and the law of short continuations equals the exact target law for eve
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -77,7 +76,7 @@ def _exact_law(hf_model, prompt, steps, temperature, top_p, top_k):
     """P(continuation) for every continuation of `steps` tokens, by enumeration over the target."""
     vocab = hf_model.config.vocab_size
     law = {}
-    t = torch.tensor([temperature]); k = torch.tensor([top_k]); p = torch.tensor([top_p])
+    t, k, p = torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p])
 
     def walk(ctx, prob, depth):
         if depth == steps:
@@ -150,11 +149,14 @@ def test_sd_law_matches_target(tmp_path, speculator, temperature, top_p, top_k):
     obs, exp, pool_o, pool_e = [], [], 0, 0.0
     for c in cells:
         if law[c] * n >= 5:
-            obs.append(counts[c]); exp.append(law[c] * n)
+            obs.append(counts[c])
+            exp.append(law[c] * n)
         else:
-            pool_o += counts[c]; pool_e += law[c] * n
+            pool_o += counts[c]
+            pool_e += law[c] * n
     if pool_e > 0:
-        obs.append(pool_o); exp.append(pool_e)
+        obs.append(pool_o)
+        exp.append(pool_e)
     scale = sum(obs) / sum(exp)
     assert chisquare(obs, [e * scale for e in exp]).pvalue > 1e-4
     assert eng.metrics()["spec/proposed_per_round"] > 0
