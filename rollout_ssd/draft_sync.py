@@ -25,54 +25,15 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from rollout_ssd.named_update import NamedUpdate
+
 log = logging.getLogger(__name__)
+SHARED_REASON = "is shared with the target model; it follows target updates (update_weights), not draft updates"
 
 
-class DraftUpdate:
-    """An update handed over in process: validated on arrival, applied between rounds."""
-
-    def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int):
-        self.state: dict[str, torch.Tensor] = {}
-        for name, tensor in named_tensors:
-            if name in self.state:
-                raise ValueError(f"update_draft_weights: tensor {name!r} given twice")
-            self.state[name] = tensor
-        self.version = version
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(self.state)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.state.values())
-
-    def validate(self, params: dict[str, torch.Tensor], shared: set[str], newest_version: int) -> None:
-        """Everything is checked before anything is queued; a ValueError names the offending field."""
-        if not isinstance(self.version, int) or isinstance(self.version, bool) or self.version <= newest_version:
-            raise ValueError(f"update_draft_weights: version must be an integer > {newest_version} (the draft's "
-                             f"newest version), got {self.version!r}")
-        for name, tensor in self.state.items():
-            if name in shared:
-                raise ValueError(f"update_draft_weights: tensor {name!r} is shared with the target model; it "
-                                 f"follows target updates (update_weights), not draft updates")
-            if name not in params:
-                raise ValueError(f"update_draft_weights: unknown tensor {name!r} (not a draft parameter)")
-            if not isinstance(tensor, torch.Tensor):
-                raise ValueError(f"update_draft_weights: {name!r} is not a tensor")
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise ValueError(f"update_draft_weights: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(params[name].shape)}")
-            if tensor.is_floating_point() != params[name].is_floating_point():
-                raise ValueError(f"update_draft_weights: tensor {name!r} has dtype {tensor.dtype}, "
-                                 f"expected {params[name].dtype}")
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                raise ValueError(f"update_draft_weights: tensor {name!r} has NaN or Inf values")
-
-    def apply_to(self, params: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for name, tensor in self.state.items():
-                params[name].copy_(tensor)
+def DraftUpdate(named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> NamedUpdate:
+    """A draft update handed over in process (validated on arrival, applied between rounds)."""
+    return NamedUpdate(named_tensors, version, what="update_draft_weights")
 
 
 def shared_names(draft: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> set[str]:
@@ -120,7 +81,7 @@ class DraftSync:
         update = DraftUpdate(named_tensors, version)
         params, shared = self._params(self.holder())
         with self._lock:
-            update.validate(params, shared, self._newest)
+            update.validate(params, self._newest, shared, SHARED_REASON)
             self._newest = update.version
             self._queue.append(update)
             if not self._sampling():

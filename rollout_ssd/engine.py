@@ -29,6 +29,7 @@ from rollout_ssd.draft_sync import DraftSync
 from rollout_ssd.kv_cache import KVCache
 from rollout_ssd.metrics import EngineMetrics
 from rollout_ssd.models.loader import LoadedModel, load_pretrained
+from rollout_ssd.named_update import NamedUpdate
 from rollout_ssd.params import Rollout, SamplingParams
 from rollout_ssd.runner import ModelRunner
 from rollout_ssd.sampling import sequence_generator
@@ -182,7 +183,7 @@ class RolloutEngine:
         bad update raises ValueError and the engine keeps serving the old version. Called while
         `sample` runs (from another thread), the update is applied between rounds, never inside one."""
         self._check_open()
-        update = _InProcessUpdate(dict(named_tensors), version)
+        update = NamedUpdate(named_tensors, version, what="update_weights")
         update.validate(self.target.model.hf_parameters(), self.weight_version)
         self._pending.put(update)
         if not self._sampling:
@@ -392,32 +393,3 @@ class RolloutEngine:
             self.strategy.on_release(seq)
             self.runner.free(seq.slot)
             seq.slot = -1
-
-
-class _InProcessUpdate:
-    """An update handed to `update_weights` in process: validated once on arrival, applied between rounds."""
-
-    def __init__(self, state: dict[str, torch.Tensor], version: int):
-        self.state = state
-        self.version = version
-
-    def validate(self, params: dict[str, torch.Tensor], current_version: int) -> None:
-        if not isinstance(self.version, int) or isinstance(self.version, bool) or self.version <= current_version:
-            raise ValueError(f"version must be an integer > current version {current_version}, got {self.version!r}")
-        for name, tensor in self.state.items():
-            if name not in params:
-                raise ValueError(f"update_weights: unknown tensor {name!r}")
-            if not isinstance(tensor, torch.Tensor):
-                raise ValueError(f"update_weights: {name!r} is not a tensor")
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise ValueError(f"update_weights: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(params[name].shape)}")
-            if not tensor.is_floating_point():
-                raise ValueError(f"update_weights: tensor {name!r} has dtype {tensor.dtype}, expected a float dtype")
-            if not torch.isfinite(tensor).all():
-                raise ValueError(f"update_weights: tensor {name!r} has NaN or Inf values")
-
-    def apply_to(self, params: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for name, tensor in self.state.items():
-                params[name].copy_(tensor)

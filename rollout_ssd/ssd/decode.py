@@ -101,6 +101,9 @@ class _Round:
     backup_seconds: float = 0.0
 
 
+CALIBRATE_EVERY = 128  # rounds between AR decode-time calibrations
+
+
 class SSDDecode(DecodeStrategy):
     def __init__(self, runner: ModelRunner, draft_model: Decoder, config: SSDConfig, stats: EngineMetrics,
                  backup: Optional[Speculator] = None, max_model_len: Optional[int] = None):
@@ -110,6 +113,7 @@ class SSDDecode(DecodeStrategy):
         if config.backup != "neural" and backup is None:
             raise ValueError(f"SSDConfig.backup={config.backup!r} needs its speculator (backup=...)")
         self.runner = runner
+        self._decode_calibrated, self._rounds_since_calibration = False, 0
         self.draft_model = draft_model
         self.config = config
         self.k = config.k
@@ -302,7 +306,24 @@ class SSDDecode(DecodeStrategy):
                 self._shared_checksums[n] = checksum(new[n])
 
     # ------------------------------------------------------------------ one round
+    def _calibrate_decode(self, running: list[Sequence]) -> None:
+        """Time one plain AR decode forward of this batch (then undo it), so the strategy rule compares
+        against AR's real step time rather than a prior. On a CPU a verify of K+1 tokens costs more than
+        one decode step (THEORY.md §3), and without this the rule (and ssd/predicted_speedup) would
+        assume they cost the same. Done on the first round and every CALIBRATE_EVERY rounds after."""
+        if self._rounds_since_calibration < CALIBRATE_EVERY and self._decode_calibrated:
+            self._rounds_since_calibration += 1
+            return
+        slots = [s.slot for s in running]
+        t0 = time.perf_counter()
+        self.runner.extend(slots, [[s.last_token] for s in running], last_only=True)
+        self.estimates.observe_time("decode", time.perf_counter() - t0)
+        for seq in running:
+            self.runner.rollback(seq.slot, seq.num_tokens - 1)
+        self._decode_calibrated, self._rounds_since_calibration = True, 0
+
     def step(self, running: list[Sequence]) -> int:
+        self._calibrate_decode(running)
         t0 = time.perf_counter()
         plan = self.planner.plan()
         strategy = self._choose(len(running))
