@@ -1,0 +1,118 @@
+"""Helpers shared by the benchmarks: a plain-text table, the JSON last line (STYLE.md habit 9),
+a machine note, a timer, and the memory-bandwidth probe the rooflines divide by.
+
+Benchmarks run as scripts (`python bench/bench_x.py`); the package never imports this folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def add_repo_to_path() -> None:
+    """Let `python bench/x.py` import `rollout_ssd` from this checkout without installing it."""
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+
+
+def print_table(rows: Sequence[dict], columns: Optional[Sequence[str]] = None, floatfmt: str = ".2f") -> None:
+    """Print rows (dicts) as an aligned table; columns default to the first row's keys."""
+    if not rows:
+        return
+    columns = list(columns or rows[0].keys())
+
+    def cell(v) -> str:
+        if isinstance(v, float):
+            return format(v, floatfmt)
+        return "-" if v is None else str(v)
+
+    body = [[cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    print("  ".join("-" * w for w in widths))
+    for b in body:
+        print("  ".join(v.rjust(w) for v, w in zip(b, widths)))
+
+
+def print_json_line(result: dict) -> None:
+    """The benchmark's machine-readable result: one JSON object on the last line of stdout."""
+    print(json.dumps(result, separators=(",", ":"), default=str), flush=True)
+
+
+def machine_note() -> dict:
+    """What a reader needs to compare numbers across runs."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                if line.startswith("flags"):
+                    flags = line
+                    break
+    except OSError:
+        model = platform.processor()
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = None
+    return {
+        "cpu": model if flags else platform.processor(),
+        "cores": os.cpu_count(),
+        "isa": isa,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "load_avg_1m": load,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def timed(fn: Callable, *args, **kwargs) -> tuple[object, float]:
+    """(fn(*args, **kwargs), wall-clock seconds it took)."""
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - t0
+
+
+def time_call(fn: Callable[[], object], repeats: int) -> list[float]:
+    """Wall-clock seconds of `repeats` calls of fn (the caller warms up)."""
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> dict:
+    """Sustained DRAM bandwidth with the current torch thread count, best of `repeats`.
+
+    copy_gbps: dst.copy_(src) of `megabytes`, counted as 2 * size / time (one read + one write; the
+    write-allocate read of dst is not counted). read_gbps: src.sum(), size / time (a pure read, the
+    access pattern of streaming weights through a GEMV). GB = 1e9 bytes.
+    """
+    n = megabytes * 2**20 // 4
+    src = torch.ones(n, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    src.sum()
+    copy = min(time_call(lambda: dst.copy_(src), repeats))
+    read = min(time_call(lambda: src.sum(), repeats))
+    size = n * 4
+    return {"bytes": size, "copy_gbps": 2 * size / copy / 1e9, "read_gbps": size / read / 1e9}
