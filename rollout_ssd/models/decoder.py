@@ -5,8 +5,9 @@ cast back, cos/sin computed in float32 and cast to the model dtype, logits in th
 float32 logits agree to rounding and bfloat16 ones to bfloat16 rounding.
 Departures, for speed only: q/k/v and gate/up projections are fused into one matrix each; the HF
 parameter names stay addressable as views into the fused tensors (`hf_parameters`), which is what
-loaders and weight sync write into. float32 weight matrices are stored column-major (see `weight`);
-RoPE is applied to the fused q|k block at once with a rolled copy (bitwise HF's rotate_half form).
+loaders and weight sync write into. The layers' float32 matrices are stored column-major (`weight`),
+the LM head picks its GEMM form by row count (`logits`), and RoPE is applied to the fused q|k block at
+once (bitwise HF's rotate_half form): on CPU these change float32 logits only at rounding level.
 
 A forward takes new tokens per row (padded to T), their explicit positions, the KV slot each row
 writes to and, optionally, a boolean mask over cache positions: that covers ragged prefill, decode,
@@ -69,11 +70,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
 
 def weight(rows: int, cols: int, dtype: torch.dtype) -> nn.Parameter:
-    """A frozen [rows, cols] weight matrix (zeros). float32 ones are stored column-major (their
-    transpose is contiguous): F.linear(x, w) is then a plain row-major x @ w.T GEMM, which at batch 1
-    streams the weights at the read bandwidth on a CPU, while MKL's GEMV over the row-major layout
-    reached ~70% of it (AVX2 EPYC: 1.25x faster decode steps, bench/RESULTS.md). Shapes, names and
-    values are unchanged; only strides differ. Other dtypes keep the row-major layout."""
+    """A frozen [rows, cols] layer weight matrix (zeros). float32 ones are stored column-major (their
+    transpose is contiguous): F.linear(x, w) is then a plain x @ w.T GEMM over a row-major operand,
+    which at batch 1 streams the weights at the memory's read bandwidth, while MKL's GEMV over the
+    row-major layout reached ~70% of it, and is as fast or faster at 2..32 rows (AVX2 EPYC, MKL 2024.2:
+    bench/RESULTS.md). Shapes, names and values are unchanged; only strides differ. Other dtypes keep
+    the row-major layout (not measured)."""
     if dtype == torch.float32:
         return nn.Parameter(torch.zeros(cols, rows, dtype=dtype).t(), requires_grad=False)
     return nn.Parameter(torch.zeros(rows, cols, dtype=dtype), requires_grad=False)
@@ -146,12 +148,14 @@ class Decoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
-        self.embed = weight(cfg.vocab_size, cfg.hidden_size, dtype)
+        # row-major, unlike the layers' matrices: row lookups stay contiguous, and `logits` picks the
+        # fastest GEMM form per row count (a column-major copy for one row)
+        self.embed = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.zeros(cfg.hidden_size, dtype=dtype), requires_grad=False)
         head_rows = cfg.head_vocab_size or cfg.vocab_size
         self.lm_head = (self.embed if cfg.tie_word_embeddings and cfg.head_vocab_size is None else
-                        weight(head_rows, cfg.hidden_size, dtype))
+                        nn.Parameter(torch.zeros(head_rows, cfg.hidden_size, dtype=dtype), requires_grad=False))
         # Token id of each LM-head row (a draft's restricted head); None = the full vocabulary.
         self.head_token_ids = (nn.Parameter(torch.zeros(head_rows, dtype=torch.long), requires_grad=False)
                                if cfg.head_vocab_size is not None else None)
@@ -159,6 +163,8 @@ class Decoder(nn.Module):
         self.rope_scaling = rope_scaling
         self.backend = backend or SDPABackend()
         self.scale = cfg.head_dim ** -0.5
+        self._head_t: Optional[torch.Tensor] = None  # column_major_head's copy, and what it was made from
+        self._head_t_source: Optional[tuple] = None
 
     def hf_parameters(self) -> dict[str, torch.Tensor]:
         """HF parameter name -> tensor (a view into our fused storage; write with copy_)."""
@@ -185,10 +191,37 @@ class Decoder(nn.Module):
         half = sin.shape[-1] // 2
         return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
+    def column_major_head(self) -> torch.Tensor:
+        """The LM head's transpose [H, V], contiguous: a copy made on first use and remade whenever the
+        head is replaced, moved, or written in place (every in-place op on it or on a view of it, as
+        loaders, update_weights and weight sync do, bumps its version counter; only writes through
+        `.data` would not, and nothing here makes them)."""
+        head = self.lm_head
+        source = self._head_t_source
+        if source is None or source[0] is not head or source[1:] != (head.data_ptr(), head._version):
+            with torch.inference_mode(False), torch.no_grad():
+                self._head_t = head.t().contiguous()
+            self._head_t_source = (head, head.data_ptr(), head._version)
+        return self._head_t
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] (after the final norm) -> float32 logits [..., V]. With a restricted head,
-        tokens outside it get -inf, so the distribution is exactly what the head can sample."""
-        head = F.linear(hidden, self.lm_head).float()
+        tokens outside it get -inf, so the distribution is exactly what the head can sample.
+
+        float32 on CPU, the GEMM form depends on the row count M (MKL, AVX2 EPYC, bench/RESULTS.md):
+        M = 1 streams a column-major copy of the head (1.5x faster than F.linear's GEMV, at the read
+        bandwidth); 2 <= M <= 64 computes head @ rows.T (1.3-2.5x faster than rows @ head.T); more rows
+        use F.linear. The forms differ only in float32 rounding."""
+        rows = hidden.reshape(-1, hidden.shape[-1])  # [M, H]
+        m = rows.shape[0]
+        cpu_f32 = self.lm_head.dtype == torch.float32 and self.lm_head.is_cpu and not rows.requires_grad
+        if cpu_f32 and m == 1:
+            head = rows @ self.column_major_head()
+        elif cpu_f32 and m <= 64:
+            head = torch.mm(self.lm_head, rows.t()).t().contiguous()
+        else:
+            head = F.linear(rows, self.lm_head)
+        head = head.float().reshape(*hidden.shape[:-1], head.shape[-1])
         if self.head_token_ids is None:
             return head
         full = head.new_full((*head.shape[:-1], self.cfg.vocab_size), float("-inf"))

@@ -40,8 +40,8 @@ class LoadedModel:
 
 def parse_dtype(dtype) -> torch.dtype:
     """"auto" is bfloat16 where the CPU has native bf16 matmuls (avx512_bf16/AMX) or on CUDA, else
-    float32: without them PyTorch emulates bf16 and a decode step is ~5x slower than in float32
-    (measured on an AVX2-only CPU, bench/RESULTS.md)."""
+    float32: without them PyTorch emulates bf16, and prefill runs 3.5-6x and batch-8 decode 1.5-2.4x
+    slower than float32 (AVX2-only CPU, bench/RESULTS.md "bfloat16 and dtype auto")."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
