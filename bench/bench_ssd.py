@@ -15,7 +15,6 @@ import argparse
 import time
 
 import torch
-
 from common import add_repo_to_path, machine_note, print_json_line, print_table
 
 add_repo_to_path()
