@@ -19,7 +19,7 @@ import torch
 
 from rollout_ssd.sampling import sequence_generator
 from rollout_ssd.sequence import Sequence
-from rollout_ssd.spec.speculator import Proposal, Speculator
+from rollout_ssd.spec.speculator import Proposal, Speculator, check_ks
 from rollout_ssd.spec.verify import PointDraft
 
 DRAFT_STREAM = 1  # sequence_generator stream of speculators' own draws (0 is verification's)
@@ -46,12 +46,9 @@ class RandomSpeculator(Speculator):
         self._generators: dict[int, tuple[Sequence, torch.Generator]] = {}  # id(seq) -> (seq, its stream)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> Proposal:
-        if len(ks) != len(seqs):
-            raise ValueError(f"ks must hold one k per sequence ({len(seqs)}), got {len(ks)}")
+        check_ks(seqs, ks)
         tokens = []
         for seq, k in zip(seqs, ks):
-            if k < 0:
-                raise ValueError(f"ks must be >= 0, got {k}")
             if k == 0:
                 tokens.append([])
                 continue

@@ -29,6 +29,15 @@ class Proposal:
     draft: DraftDistribution  # rows aligned with `tokens`
 
 
+def check_ks(seqs: list[Sequence], ks: list[int]) -> None:
+    """ks must hold one non-negative k per sequence."""
+    if len(ks) != len(seqs):
+        raise ValueError(f"ks must hold one k per sequence ({len(seqs)}), got {len(ks)}")
+    for k in ks:
+        if k < 0:
+            raise ValueError(f"ks must be >= 0, got {k}")
+
+
 class Speculator(ABC):
     name: str = "speculator"
 

@@ -39,7 +39,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from rollout_ssd.sequence import Sequence
-from rollout_ssd.spec.speculator import Proposal, Speculator
+from rollout_ssd.spec.speculator import Proposal, Speculator, check_ks
 from rollout_ssd.spec.verify import PointDraft
 
 
@@ -169,13 +169,8 @@ class SuffixSpeculator(Speculator):
     # ---- the Speculator interface --------------------------------------------------------------------
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> Proposal:
-        if len(ks) != len(seqs):
-            raise ValueError(f"ks must hold one k per sequence ({len(seqs)}), got {len(ks)}")
-        tokens = []
-        for seq, k in zip(seqs, ks):
-            if k < 0:
-                raise ValueError(f"ks must be >= 0, got {k}")
-            tokens.append(self.chain(seq, k)[0] if k > 0 else [])
+        check_ks(seqs, ks)
+        tokens = [self.chain(seq, k)[0] if k > 0 else [] for seq, k in zip(seqs, ks)]
         return Proposal(tokens=tokens, draft=PointDraft())
 
     def on_admit(self, seqs: list[Sequence]) -> None:
