@@ -109,6 +109,29 @@ def _add_generate_parser(sub) -> None:
     p.set_defaults(func=generate)
 
 
+def plot_drift(args) -> int:
+    """`rollout-ssd plot-drift`: hit rate / acceptance / KL vs weight version for runs (rl/tracking.py)."""
+    from rollout_ssd.rl.tracking import plot_drift as plot
+
+    try:
+        output = plot(args.runs, args.output, labels=args.labels)
+    except ValueError as err:
+        print(f"rollout-ssd plot-drift: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {output}")
+    return 0
+
+
+def _add_plot_drift_parser(sub) -> None:
+    p = sub.add_parser("plot-drift", help="plot draft drift (hit rate, acceptance, KL vs weight version) of runs",
+                       description="Each RUN is a run directory (its versions.jsonl, else metrics.jsonl) or a .jsonl "
+                                   "file written by rollout_ssd.rl.tracking.RunLogger.")
+    p.add_argument("runs", nargs="+", metavar="RUN")
+    p.add_argument("--output", required=True, help="PNG to write, e.g. drift.png")
+    p.add_argument("--labels", nargs="+", default=None, help="one legend label per RUN")
+    p.set_defaults(func=plot_drift)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="rollout-ssd")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +146,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=demo)
     _add_generate_parser(sub)
+    _add_plot_drift_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     return args.func(args)

@@ -372,9 +372,13 @@ class SSDDecode(DecodeStrategy):
                      batch, inputs.p_hit, {k: round(v, 2) for k, v in decision.scores.items()}, decision.b_star)
         log.debug("SSD strategy %s: inputs %s", decision.chosen, inputs)
         self.strategy = decision.chosen
+        # the rule's own inputs; a round that measures T_p / T_b directly overwrites them (_finish)
+        timing = {"T_p": inputs.primary_seconds / inputs.verify_seconds}
+        if "neural" in inputs.draft_seconds:
+            timing["T_b"] = inputs.draft_seconds["neural"] / inputs.verify_seconds
         self.stats.set_ssd_state(strategy=decision.chosen, b_star=decision.b_star,
                                  predicted_speedup=decision.predicted_speedup, scores=dict(decision.scores),
-                                 p_hit_estimate=inputs.p_hit)
+                                 p_hit_estimate=inputs.p_hit, **timing)
         return decision.chosen
 
     def _propose(self, running: list[Sequence], ks: list[int], strategy: str, plan: FanoutPlan) -> _Round:

@@ -1,0 +1,230 @@
+"""The RL loop the recipes run: each step is
+
+    rollouts (SSD, split across rollout actors) -> rewards -> learner update -> weight sync
+    -> draft follow (+ its sync) -> drift telemetry -> metrics (wandb + JSONL)
+
+with the time of each phase measured by the driver. Prompts come from the task's `datasets` Dataset,
+shuffled once by the seed and cycled; the prompt at position i of step s gets the global index
+s * prompts_per_step + i, which seeds its samples (so a run reproduces whatever the actor split).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Optional
+
+from rollout_ssd.rl.actors import LearnerWorker, RolloutWorker, has_draft, in_process_pair, rollout_from_dict
+from rollout_ssd.rl.config import RLConfig
+from rollout_ssd.rl.tasks import get_task
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def merge_engine_metrics(per_actor: list[dict]) -> dict:
+    """One dict from several engines' metrics: numbers averaged (counts summed), the rest from the first."""
+    if len(per_actor) == 1:
+        return dict(per_actor[0])
+    out: dict = {}
+    for key in per_actor[0]:
+        values = [m[key] for m in per_actor if key in m]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            summed = key.endswith(("tokens", "rounds", "hits", "misses", "_count", "/bytes"))
+            out[key] = sum(values) if summed else sum(values) / len(values)
+        else:
+            out[key] = values[0]
+    return out
+
+
+class RLTrainer:
+    """Owns the workers (Ray actors or in-process objects), the dataset and the logger."""
+
+    def __init__(self, cfg: RLConfig, logger=None):
+        self.cfg = cfg
+        dataset_fn, self.reward_fn = get_task(cfg.task)
+        data = dataset_fn(cfg.dataset_size, seed=cfg.seed)
+        for column in ("prompt", "answer"):
+            if column not in data.column_names:
+                raise ValueError(f"task {cfg.task!r}: its dataset has no {column!r} column")
+        order = list(range(len(data)))
+        random.Random(cfg.seed).shuffle(order)
+        self.prompts = [data[i]["prompt"] for i in order]
+        self.answers = [data[i]["answer"] for i in order]
+        self.logger = logger
+        self._ray = None
+        self._store: Optional[Path] = None
+        self._start_workers()
+
+    # ------------------------------------------------------------------ workers
+    def _start_workers(self) -> None:
+        cfg = self.cfg
+        if not cfg.ray.enabled:
+            self.rollout = [RolloutWorker(cfg)]
+            self.learner = LearnerWorker(cfg)
+            in_process_pair(cfg, self.rollout, self.learner)
+            return
+        import os
+
+        import ray
+
+        if not ray.is_initialized():
+            if os.environ.get("RAY_AUTH_MODE", "token") != "token":
+                log.warning("RAY_AUTH_MODE=%s: Ray's token authentication is off", os.environ["RAY_AUTH_MODE"])
+            # Ray >= 2.59 starts local clusters with token auth (a token in ~/.ray/auth_token); the
+            # head binds 127.0.0.1 unless ray.address names an existing cluster
+            kwargs = dict(include_dashboard=False, log_to_driver=True)
+            if cfg.ray.address is None:
+                kwargs.update(_node_ip_address="127.0.0.1", num_cpus=cfg.ray.num_cpus)
+            ray.init(address=cfg.ray.address, **kwargs)
+            self._ray = ray
+        rollout_cls = ray.remote(num_cpus=cfg.ray.rollout_cpus)(RolloutWorker)
+        learner_cls = ray.remote(num_cpus=cfg.ray.learner_cpus)(LearnerWorker)
+        self.rollout = [rollout_cls.remote(cfg, threads=1) for _ in range(cfg.ray.rollout_actors)]
+        self.learner = learner_cls.remote(cfg, threads=1)
+        if cfg.ray.address is None:  # one machine: rendezvous through a file, gloo on loopback
+            self._store = Path(cfg.tracking.out_dir).resolve() / f".sync-store-{uuid.uuid4().hex}"
+            self._store.parent.mkdir(parents=True, exist_ok=True)
+            init_method = f"file://{self._store}"
+        else:
+            host = cfg.ray.sync_host
+            init_method = f"tcp://{host}:{free_port(host)}"
+        world = 1 + len(self.rollout)
+        joins = [self.learner.join_sync_group.remote(init_method, 0, world, cfg.sync.timeout)]
+        joins += [a.join_sync_group.remote(init_method, i + 1, world, cfg.sync.timeout) for i, a in enumerate(self.rollout)]
+        ray.get(joins)
+
+    def _call(self, worker, method: str, *args):
+        if not self.cfg.ray.enabled:
+            return getattr(worker, method)(*args)
+        return getattr(worker, method).remote(*args)
+
+    def _get(self, handles):
+        if not self.cfg.ray.enabled:
+            return handles
+        import ray
+
+        return ray.get(handles)
+
+    # ------------------------------------------------------------------ one step
+    def batch(self, step: int) -> tuple[list[str], list[str], list[int]]:
+        k = self.cfg.prompts_per_step
+        idx = [(step * k + i) % len(self.prompts) for i in range(k)]
+        return [self.prompts[i] for i in idx], [self.answers[i] for i in idx], [step * k + i for i in range(k)]
+
+    def sample(self, prompts: list[str], indices: list[int], params: Optional[dict] = None) -> list:
+        """Split the prompts over the rollout workers; rollouts come back in prompt order."""
+        params = params or dataclasses.asdict(self.cfg.sampling)
+        parts = len(self.rollout)
+        bounds = [round(i * len(prompts) / parts) for i in range(parts + 1)]
+        handles = [self._call(w, "sample", prompts[a:b], params, indices[a:b])
+                   for w, a, b in zip(self.rollout, bounds, bounds[1:]) if b > a]
+        return [d for part in self._get(handles) for d in part]
+
+    def step(self, step: int) -> dict:
+        cfg = self.cfg
+        prompts, answers, indices = self.batch(step)
+        t0 = time.perf_counter()
+        rollouts = self.sample(prompts, indices)
+        t1 = time.perf_counter()
+        n = cfg.sampling.n
+        texts = [r["text"] if r["text"] is not None else "" for r in rollouts]
+        rewards = [float(self.reward_fn(t, answers[i // n])) for i, t in enumerate(texts)]
+        learn = self._get(self._call(self.learner, "train", rollouts, rewards, n, cfg.sampling.temperature))
+        t2 = time.perf_counter()
+        sync = self._get(self._call(self.learner, "sync_target"))
+        t3 = time.perf_counter()
+        follow = self._get(self._call(self.learner, "follow", step + 1, rollouts))
+        t4 = time.perf_counter()
+        drift = {}
+        if cfg.drift_every and (step + 1) % cfg.drift_every == 0 and has_draft(cfg):
+            drift = self._get(self._call(self.learner, "drift", rollouts, cfg.sampling.temperature))
+        t5 = time.perf_counter()
+        engine = merge_engine_metrics(self._get([self._call(w, "metrics", True) for w in self.rollout]))
+        tokens = sum(len(r["token_ids"]) for r in rollouts)
+        total = t5 - t0
+        metrics = dict(engine)
+        metrics.update(learn)
+        metrics.update(sync)
+        metrics.update(follow)
+        metrics.update(drift)
+        metrics.update({
+            "step": step + 1,
+            "rollout/tokens": tokens,
+            "rollout/tokens_per_s": tokens / max(t1 - t0, 1e-9),
+            "rollout/weight_version": max(r["weight_version"] for r in rollouts),
+            "time/rollout_s": t1 - t0, "time/learn_s": t2 - t1, "time/sync_s": t3 - t2,
+            "time/follow_s": t4 - t3, "time/drift_s": t5 - t4, "time/step_s": total,
+            "time/rollout_share": (t1 - t0) / total, "time/learn_share": (t2 - t1) / total,
+            "time/sync_share": (t3 - t2 + t4 - t3) / total,
+            "draft/mode": cfg.follow.mode,
+        })
+        return metrics
+
+    def run(self, on_step: Optional[Callable[[dict], None]] = None) -> list[dict]:
+        history = []
+        for s in range(self.cfg.steps):
+            metrics = self.step(s)
+            history.append(metrics)
+            if self.logger is not None:
+                self.logger.log(s + 1, {k: v for k, v in metrics.items() if k != "step"})
+                self.logger.log_version(version_row(metrics))
+            if on_step is not None:
+                on_step(metrics)
+            log.info("step %d: reward %.3f, %.1f tok/s, hit %.3f, accept %.3f", s + 1, metrics.get("reward/mean", 0),
+                     metrics["rollout/tokens_per_s"], metrics.get("ssd/hit_rate", float("nan")),
+                     metrics.get("spec/accept_rate", float("nan")))
+        return history
+
+    def learner_digest(self) -> str:
+        return self._get(self._call(self.learner, "weights_digest"))
+
+    def close(self) -> None:
+        for w in getattr(self, "rollout", []):
+            try:
+                self._get(self._call(w, "close"))
+            except Exception as err:  # a dead actor must not stop the others from closing
+                log.warning("closing a rollout worker failed: %s", err)
+        if self.cfg.ray.enabled:
+            import ray
+
+            for actor in [*getattr(self, "rollout", []), getattr(self, "learner", None)]:
+                if actor is not None:
+                    ray.kill(actor)
+            if self._ray is not None:
+                ray.shutdown()
+                self._ray = None
+        if self._store is not None:
+            self._store.unlink(missing_ok=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+VERSION_KEYS = ("ssd/hit_rate", "spec/accept_rate", "spec/accept_length", "drift/kl_target_draft",
+                "mismatch/token_mult_prob_error", "sync/bytes", "sync/seconds", "rollout/tokens_per_s",
+                "ssd/strategy", "reward/mean")
+
+
+def version_row(metrics: dict) -> dict:
+    """The per-version row of the drift dashboard: the policy version these rollouts were made under."""
+    row = {"version": metrics["rollout/weight_version"], "step": metrics["step"], "draft_mode": metrics["draft/mode"]}
+    row.update({k: metrics[k] for k in VERSION_KEYS if k in metrics})
+    return row
+
+
+def to_rollouts(dicts: list[dict]):
+    return [rollout_from_dict(d) for d in dicts]
