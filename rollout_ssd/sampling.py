@@ -41,6 +41,60 @@ def full_logprobs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tens
     return torch.log_softmax(logits.float() / temp[:, None], dim=-1)
 
 
+TRUNCATION_CANDIDATES = 1024  # tokens examined before falling back to a full-vocabulary sort
+
+
+def _drop_full_sort(scaled: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[N, V] bool: tokens outside top-k then top-p, by a stable descending sort of every token
+    (ties: the lower token id ranks first)."""
+    n, vocab = scaled.shape
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=scaled.device).expand(n, vocab)
+    drop_sorted = rank >= k[:, None]
+    probs_sorted = torch.softmax(sorted_logits.double().masked_fill(drop_sorted, float("-inf")), dim=-1)
+    mass_before = torch.cumsum(probs_sorted, dim=-1) - probs_sorted
+    drop_sorted |= (mass_before >= top_p.double()[:, None]) & (top_p < 1.0)[:, None]  # p = 1: no cut,
+    # even where float32 cumulative mass rounds up to 1 before the last token
+    drop_sorted[:, 0] = False
+    return torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+
+
+def _drop(scaled: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`_drop_full_sort`'s answer, found from the M largest logits per row when that settles it.
+
+    The kept set is a prefix of the stable descending order. A row is settled by its top M when the
+    prefix ends before the M-th candidate and the last kept logit is strictly above the smallest
+    candidate (then no token outside the candidates can rank before or tie with a kept one). Other
+    rows take the full sort. Masses use the full row's normaliser, so they are those of the sort; both
+    paths accumulate them in float64, so summation order cannot move the cut (float32 sums of the
+    same masses in two orders differ by ~1e-7, enough to keep or drop the token at the boundary)."""
+    n, vocab = scaled.shape
+    m = min(vocab, max(TRUNCATION_CANDIDATES, int(torch.where(k < vocab, k, 0).max())))
+    if m >= vocab // 2:
+        return _drop_full_sort(scaled, k, top_p)
+    vals, idx = torch.topk(scaled, m, dim=-1)  # [N, M] descending; tie order unspecified
+    idx, perm = idx.sort(dim=-1)  # restore the stable order: token id ascending, then value descending
+    vals, order = vals.gather(1, perm).sort(dim=-1, descending=True, stable=True)
+    idx = idx.gather(1, order)
+    rank = torch.arange(m, device=scaled.device).expand(n, m)
+    in_k = rank < k[:, None]
+    wide = vals.double()
+    lse_k = torch.logsumexp(wide.masked_fill(~in_k, float("-inf")), dim=-1)
+    lse = torch.where(k < vocab, lse_k, torch.logsumexp(scaled.double(), dim=-1))  # [N]
+    probs = torch.exp(wide - lse[:, None]).masked_fill(~in_k, 0.0)
+    drop_c = ~in_k | (((torch.cumsum(probs, dim=-1) - probs) >= top_p.double()[:, None])
+                      & (top_p < 1.0)[:, None])
+    drop_c[:, 0] = False
+    kept = (~drop_c).sum(dim=-1)  # [N] prefix length (drop_c is monotone along the row)
+    last_kept = vals.gather(1, (kept - 1)[:, None])[:, 0]
+    settled = (kept < m) & (last_kept > vals[:, -1])
+    drop = torch.ones_like(scaled, dtype=torch.bool).scatter(1, idx, drop_c)
+    if not bool(settled.all()):
+        rest = (~settled).nonzero()[:, 0]
+        drop[rest] = _drop_full_sort(scaled[rest], k[rest], top_p[rest])
+    return drop
+
+
 def target_probs(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
@@ -56,16 +110,11 @@ def target_probs(
     scaled = logits / temp[:, None]
     needs_trunc = (~greedy) & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
     if bool(needs_trunc.any()):
-        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
-        rank = torch.arange(vocab, device=logits.device).expand(n, vocab)
+        rows = needs_trunc.nonzero()[:, 0]
         k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).to(logits.device)
-        drop_sorted = rank >= k[:, None]
-        probs_sorted = torch.softmax(sorted_logits.masked_fill(drop_sorted, float("-inf")), dim=-1)
-        mass_before = torch.cumsum(probs_sorted, dim=-1) - probs_sorted
-        drop_sorted |= mass_before >= top_p.to(torch.float32)[:, None]
-        drop_sorted[:, 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        scaled = scaled.masked_fill(drop & needs_trunc[:, None], float("-inf"))
+        drop = _drop(scaled[rows], k[rows], top_p[rows])
+        scaled = scaled.clone()
+        scaled[rows] = scaled[rows].masked_fill(drop, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if bool(greedy.any()):
         point = torch.zeros_like(probs)
