@@ -53,8 +53,8 @@ def main(argv=None):
         same = torch.equal(_drop(scaled, k, p_), _drop_full_sort(scaled, k, p_))
         sort_t, cand_t = [], []
         for _ in range(args.repeats):  # interleaved
-            sort_t += time_call(lambda: _drop_full_sort(scaled, k, p_), 1)
-            cand_t += time_call(lambda: _drop(scaled, k, p_), 1)
+            sort_t += time_call(lambda s=scaled, k=k, p=p_: _drop_full_sort(s, k, p), 1)
+            cand_t += time_call(lambda s=scaled, k=k, p=p_: _drop(s, k, p), 1)
         row = {"T": temperature, "top_k": top_k, "top_p": top_p, "full sort ms": 1000 * median(sort_t),
                "candidates ms": 1000 * median(cand_t), "speedup": median(sort_t) / median(cand_t), "same kept set": same}
         table.append(row)
