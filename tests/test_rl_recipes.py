@@ -131,6 +131,8 @@ def test_pi_old_from_rollout_logprobs(tmp_path):
     ("steps=0", "steps"),
     ("tracking.wandb_mode=cloud", "wandb_mode"),
     ("learner.optim.deepspeed={zero_optimization: {stage: 3}}", "stage"),
+    ("task=chess", "chess"),
+    ("task_options={max_operands: 5}", "max_operands"),
 ])
 def test_bad_config_is_refused_before_any_work(override, needle, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:

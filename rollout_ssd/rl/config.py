@@ -87,6 +87,7 @@ class RLConfig:
     draft: Optional[str] = "default"
     dtype: str = "auto"
     task: str = "arithmetic"
+    task_options: dict = field(default_factory=dict)  # keyword arguments of the task's dataset builder
     dataset_size: int = 512
     prompts_per_step: int = 4
     steps: int = 30
@@ -109,6 +110,17 @@ class RLConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.drift_every, int) or self.drift_every < 0:
             raise ValueError(f"drift_every must be an integer >= 0, got {self.drift_every!r}")
+        if not isinstance(self.task_options, dict):
+            raise ValueError(f"task_options must be a mapping, got {type(self.task_options).__name__}")
+        from rollout_ssd.rl.tasks import get_task
+
+        builder, _ = get_task(self.task)  # an unknown task fails here, before any work
+        import inspect
+
+        accepted = set(inspect.signature(builder).parameters) - {"num", "seed"}
+        unknown = sorted(set(self.task_options) - accepted)
+        if unknown:
+            raise ValueError(f"task_options {unknown} are not options of task {self.task!r}; known: {sorted(accepted)}")
         if self.learner.algorithm != self.algorithm:
             raise ValueError(f"learner.algorithm {self.learner.algorithm!r} differs from algorithm {self.algorithm!r}")
 

@@ -53,7 +53,8 @@ class RLTrainer:
     def __init__(self, cfg: RLConfig, logger=None):
         self.cfg = cfg
         dataset_fn, self.reward_fn = get_task(cfg.task)
-        data = dataset_fn(cfg.dataset_size, seed=cfg.seed)
+        options = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.task_options.items()}
+        data = dataset_fn(cfg.dataset_size, seed=cfg.seed, **options)
         for column in ("prompt", "answer"):
             if column not in data.column_names:
                 raise ValueError(f"task {cfg.task!r}: its dataset has no {column!r} column")
