@@ -7,6 +7,7 @@ Benchmarks run as scripts (`python bench/bench_x.py`); the package never imports
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -45,9 +46,21 @@ def print_table(rows: Sequence[dict], columns: Optional[Sequence[str]] = None, f
         print("  ".join(v.rjust(w) for v, w in zip(b, widths)))
 
 
+def _finite(value):
+    """NaN / inf -> None, recursively: strict JSON has no non-finite numbers."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def print_json_line(result: dict) -> None:
-    """The benchmark's machine-readable result: one JSON object on the last line of stdout."""
-    print(json.dumps(result, separators=(",", ":"), default=str), flush=True)
+    """The benchmark's machine-readable result: one strict-JSON object on the last line of stdout
+    (non-finite numbers become null)."""
+    print(json.dumps(_finite(result), separators=(",", ":"), default=str, allow_nan=False), flush=True)
 
 
 def machine_note() -> dict:
