@@ -204,3 +204,26 @@ def test_cli_plot_drift(tmp_path, capsys):
     assert str(out) in capsys.readouterr().out
     assert main(["plot-drift", str(tmp_path / "nope"), "--output", str(out)]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_closing_the_last_logger_leaves_no_wandb_process(tmp_path, monkeypatch):
+    """wandb's service process (wandb-core) outlives its runs until the interpreter exits unless torn
+    down: after the last RunLogger closes, no wandb child of this process is left."""
+    import psutil
+
+    from rollout_ssd.rl.tracking import RunLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))
+    first = RunLogger(tmp_path / "a", {"x": 1})
+    second = RunLogger(tmp_path / "b", {"x": 2})
+
+    def wandb_children():
+        return [p for p in psutil.Process().children(recursive=True) if "wandb" in " ".join(p.cmdline() or [p.name()])]
+
+    assert wandb_children(), "no wandb service seen: the check would be vacuous"
+    first.close()
+    second.log(1, {"a": 1.0})  # the other run still works after the first closed
+    second.close()
+    psutil.wait_procs(wandb_children(), timeout=30)
+    assert wandb_children() == []

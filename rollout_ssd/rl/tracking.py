@@ -116,8 +116,13 @@ class RunLogger:
         import wandb
 
         settings = wandb.Settings(mode=self.wandb_mode, console="off", save_code=False, silent=True)
-        run = wandb.init(project=project, name=run_name, group=group, tags=list(tags), config=self.config,
-                         dir=str(self.out_dir), mode=self.wandb_mode, reinit="create_new", settings=settings)
+        _hold_wandb()
+        try:
+            run = wandb.init(project=project, name=run_name, group=group, tags=list(tags), config=self.config,
+                             dir=str(self.out_dir), mode=self.wandb_mode, reinit="create_new", settings=settings)
+        except BaseException:
+            _release_wandb()
+            raise
         run.define_metric("step")
         run.define_metric("drift_version/version")
         return run
@@ -192,12 +197,36 @@ class RunLogger:
             finally:
                 self._metrics_file.close()
                 self._versions_file.close()
+                if self.run is not None:
+                    _release_wandb()
 
     def __enter__(self) -> RunLogger:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_OPEN_RUNS = 0  # wandb runs this process has open; guarded by _WANDB_LOCK
+_WANDB_LOCK = threading.Lock()
+
+
+def _hold_wandb() -> None:
+    global _OPEN_RUNS
+    with _WANDB_LOCK:
+        _OPEN_RUNS += 1
+
+
+def _release_wandb() -> None:
+    """After the last open run finishes, stop wandb's service process (wandb-core), which otherwise
+    outlives every run until the interpreter exits: a closed logger leaves no process behind."""
+    global _OPEN_RUNS
+    import wandb
+
+    with _WANDB_LOCK:
+        _OPEN_RUNS -= 1
+        if _OPEN_RUNS == 0:
+            wandb.teardown()
 
 
 def read_jsonl(path) -> list[dict]:
