@@ -71,9 +71,7 @@ def sample_data(args, target, prompt_ids):
 
     samples, next_prompt = [], args.first_prompt
     if args.data_cache and Path(args.data_cache).is_file():
-        cached = torch.load(args.data_cache, weights_only=False)
-        samples, next_prompt = ((cached["samples"], cached["next_prompt"]) if isinstance(cached, dict)
-                                else (cached, len(cached)))
+        samples, next_prompt = distill.load_samples(args.data_cache)
         log.info("loaded %d cached samples (%d tokens) from %s", len(samples),
                  sum(s.num_completion for s in samples), args.data_cache)
     temps = temperature_mix(args.temperatures, len(prompt_ids), args.seed)
@@ -92,7 +90,7 @@ def sample_data(args, target, prompt_ids):
         log.info("data: %d samples, %d tokens, %.0f s (%.1f tok/s this run)", len(samples), n,
                  time.monotonic() - start_t, n / max(time.monotonic() - start_t, 1e-9))
         if args.data_cache:
-            torch.save({"samples": samples, "next_prompt": next_prompt}, args.data_cache)
+            distill.save_samples(args.data_cache, samples, next_prompt)
     return samples, time.monotonic() - start_t
 
 
@@ -119,8 +117,7 @@ def main(argv=None) -> int:
                  args.data_cache)
         return 0
     for extra in args.extra_data:
-        more = torch.load(extra, weights_only=False)
-        samples = samples + (more["samples"] if isinstance(more, dict) else more)
+        samples = samples + distill.load_samples(extra)[0]
         log.info("added %s: now %d samples", extra, len(samples))
     data_tokens = sum(s.num_completion for s in samples)
     if args.init_from:

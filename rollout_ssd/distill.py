@@ -162,6 +162,22 @@ class TeacherSample:
 
 
 @torch.no_grad()
+def save_samples(path, samples: Sequence[TeacherSample], next_prompt: int) -> None:
+    """A data cache of plain lists, ints and tensors (loadable with torch.load(weights_only=True))."""
+    torch.save({"format": "teacher-samples-v1", "next_prompt": int(next_prompt),
+                "token_ids": [list(s.token_ids) for s in samples], "prompt_len": [int(s.prompt_len) for s in samples],
+                "topk_ids": [s.topk_ids for s in samples], "topk_logp": [s.topk_logp for s in samples]}, path)
+
+
+def load_samples(path) -> tuple[list[TeacherSample], int]:
+    """(samples, next_prompt) from `save_samples`'s file, unpickling nothing but tensors and plain data."""
+    data = torch.load(path, weights_only=True)
+    if not isinstance(data, dict) or data.get("format") != "teacher-samples-v1":
+        raise ValueError(f"{path}: not a teacher-samples-v1 data cache")
+    fields = zip(data["token_ids"], data["prompt_len"], data["topk_ids"], data["topk_logp"])
+    return [TeacherSample(list(t), int(p), ids, logp) for t, p, ids, logp in fields], int(data["next_prompt"])
+
+
 def decode_lockstep(models: Sequence[Decoder], prompt_ids: Sequence[Sequence[int]], temperatures: Sequence[float],
                     max_new_tokens: int, eos_ids: Sequence[int], batch_size: int = 32, seed: int = 0,
                     on_step: Optional[Callable[[list[int], list[int], list[torch.Tensor]], None]] = None,

@@ -135,3 +135,25 @@ def test_committed_default_draft():
     assert draft.cfg.head_vocab_size == 8192 and draft.head_token_ids.unique().numel() == 8192
     assert set(draft.cfg.eos_token_ids) <= set(draft.head_token_ids.tolist())
     assert draft.embed.data_ptr() == stand_in.embed.data_ptr()
+
+
+def test_data_cache_round_trips_without_unpickling(tmp_path):
+    """The distillation data cache holds plain data and tensors only: torch.load(weights_only=True)
+    reads it back to the same samples; a file of another format is refused."""
+    import torch
+
+    from rollout_ssd.distill import TeacherSample, load_samples, save_samples
+
+    samples = [TeacherSample([1, 2, 3, 4], 2, torch.tensor([[3, 5], [4, 6]], dtype=torch.int32),
+                             torch.tensor([[-0.1, -2.0], [-0.3, -1.5]], dtype=torch.float16)),
+               TeacherSample([7, 8], 2, torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, 2, dtype=torch.float16))]
+    path = tmp_path / "cache.pt"
+    save_samples(path, samples, next_prompt=17)
+    back, next_prompt = load_samples(path)
+    assert next_prompt == 17 and len(back) == 2
+    for a, b in zip(samples, back):
+        assert a.token_ids == b.token_ids and a.prompt_len == b.prompt_len
+        assert torch.equal(a.topk_ids, b.topk_ids) and torch.equal(a.topk_logp, b.topk_logp)
+    torch.save({"something": 1}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="teacher-samples-v1"):
+        load_samples(tmp_path / "other.pt")
