@@ -17,6 +17,16 @@ def reject_unknown(cls, options: dict) -> None:
         raise ValueError(f"{cls.__name__} has no option(s) {unknown}; known: {sorted(known)}")
 
 
+def require_positive_ints(config, names, label: Optional[str] = None) -> None:
+    """Raise a ValueError naming the first of `names` (fields of `config`) that is not an integer >= 1
+    (a bool is not an integer here). label: the prefix of the name in the message (default: the class)."""
+    label = type(config).__name__ if label is None else label
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{label}.{name} must be an integer >= 1, got {value!r}")
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """How to speculate. method "ar" (none), "sd" (speculative decoding) or "ssd" (SSD).

@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 
+from rollout_ssd.config import require_positive_ints
 from rollout_ssd.distill import TeacherSample, distill_loss, head_index, make_batch, teacher_topk, trainable_parameters
 from rollout_ssd.drift import as_pairs
 from rollout_ssd.models.decoder import Decoder
@@ -53,10 +54,7 @@ class FollowConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"FollowConfig.mode must be one of {MODES}, got {self.mode!r}")
-        for name in ("every_n_steps", "steps", "top_k", "batch_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"FollowConfig.{name} must be an integer >= 1, got {value!r}")
+        require_positive_ints(self, ("every_n_steps", "steps", "top_k", "batch_tokens"))
         if self.max_sequences is not None and (not isinstance(self.max_sequences, int) or self.max_sequences < 1):
             raise ValueError(f"FollowConfig.max_sequences must be an integer >= 1 or None, got {self.max_sequences!r}")
         if not self.lr > 0:

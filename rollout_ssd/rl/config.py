@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from rollout_ssd.config import EngineConfig, SpecConfig
+from rollout_ssd.config import EngineConfig, SpecConfig, require_positive_ints
 from rollout_ssd.draft_follow import FollowConfig
 from rollout_ssd.params import SamplingParams
 from rollout_ssd.rl.learner import LearnerConfig
@@ -104,10 +104,7 @@ class RLConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self):
-        for name in ("dataset_size", "prompts_per_step", "steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        require_positive_ints(self, ("dataset_size", "prompts_per_step", "steps"), label="config")
         if not isinstance(self.drift_every, int) or self.drift_every < 0:
             raise ValueError(f"drift_every must be an integer >= 0, got {self.drift_every!r}")
         if not isinstance(self.task_options, dict):

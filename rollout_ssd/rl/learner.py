@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
+from rollout_ssd.config import require_positive_ints
 from rollout_ssd.drift import token_mult_prob_error
 from rollout_ssd.models.decoder import Decoder
 from rollout_ssd.rl import losses
@@ -69,10 +70,7 @@ class LearnerConfig:
             raise ValueError(f"LearnerConfig.old_logprobs must be one of {OLD_LOGPROBS}, got {self.old_logprobs!r}")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"LearnerConfig.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
-        for name in ("epochs", "minibatches", "micro_batch"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"LearnerConfig.{name} must be an integer >= 1, got {value!r}")
+        require_positive_ints(self, ("epochs", "minibatches", "micro_batch"))
         for name in ("clip_low", "clip_high", "kl_coef", "value_clip", "vf_coef"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"LearnerConfig.{name} must be >= 0, got {getattr(self, name)!r}")

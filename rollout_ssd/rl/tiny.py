@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from rollout_ssd.config import require_positive_ints
+
 SPECIALS = ("<pad>", "<unk>", "<eos>")
 
 
@@ -32,11 +34,8 @@ class TinyConfig:
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                     "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"TinyConfig.{name} must be an integer >= 1, got {value!r}")
+        require_positive_ints(self, ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                                     "max_position_embeddings"))
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError("TinyConfig: hidden_size must divide by num_heads, num_heads by num_kv_heads")
         if self.draft_noise < 0:
