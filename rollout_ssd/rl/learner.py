@@ -182,16 +182,23 @@ class Learner:
         mb = self.config.micro_batch
         return [list(rows[i:i + mb]) for i in range(0, len(rows), mb)]
 
-    @torch.no_grad()
     def logprobs(self, batch: RolloutBatch, model: Optional[Decoder] = None) -> torch.Tensor:
         """[B, T] per-token logprobs under `model` (default: the policy), no gradient."""
-        model = model or self.model
-        out = torch.zeros(len(batch.completions), max(1, max(len(c) for c in batch.completions)))
+        return self._score(batch, model or self.model)[0]
+
+    @torch.no_grad()
+    def _score(self, batch: RolloutBatch, model: Decoder, values: bool = False):
+        """One no-grad pass: per-token logprobs [B, T] and, when asked, the value head's values [B, T]
+        (else None); T = the longest completion (at least 1), zeros past each row's end."""
+        shape = (len(batch.completions), max(1, max(len(c) for c in batch.completions)))
+        logp, value = torch.zeros(shape), torch.zeros(shape) if values else None
         for rows in self._chunks([i for i, c in enumerate(batch.completions) if c]):
-            lp, _ = self._forward(model, [batch.prompts[i] for i in rows], [batch.completions[i] for i in rows],
-                                  batch.temperature)
-            out[rows, :lp.shape[1]] = lp
-        return out
+            lp, v = self._forward(model, [batch.prompts[i] for i in rows], [batch.completions[i] for i in rows],
+                                  batch.temperature, values=values)
+            logp[rows, :lp.shape[1]] = lp
+            if values:
+                value[rows, :v.shape[1]] = v
+        return logp, value
 
     # ------------------------------------------------------------------ the update
     def step(self, batch: RolloutBatch) -> dict:
@@ -200,16 +207,16 @@ class Learner:
         width = max(1, max(len(c) for c in batch.completions))
         mask = _padded([[1.0] * len(c) for c in batch.completions], width)
         rollout_logp = _padded(batch.logprobs, width)
-        learner_logp = self.logprobs(batch)
+        # PPO's old values come from the same no-grad pass as the learner's logprobs
+        learner_logp, old_values = self._score(batch, self.model, values=cfg.algorithm == "ppo")
         use_rollout = cfg.old_logprobs == "rollout" or (cfg.old_logprobs == "auto" and batch.temperature > 0)
         old_logp = rollout_logp if use_rollout else learner_logp
         rewards = torch.tensor(batch.rewards, dtype=torch.float32)
         ref_logp = self.logprobs(batch, self.reference) if self.reference is not None else None
-        old_values = returns = None
+        returns = None
         if cfg.algorithm == "grpo":
             adv = losses.group_advantages(rewards, batch.group_size, scale=cfg.scale_rewards)[:, None] * mask
         else:
-            old_values = self._values(batch, width)
             token_rewards = torch.zeros_like(mask)
             for b, c in enumerate(batch.completions):
                 if c:
@@ -240,15 +247,6 @@ class Learner:
             out["mismatch/token_mult_prob_error"] = token_mult_prob_error(
                 [learner_logp[b, :len(c)].tolist() for b, c in enumerate(batch.completions) if c],
                 [batch.logprobs[b] for b, c in enumerate(batch.completions) if c])
-        return out
-
-    @torch.no_grad()
-    def _values(self, batch: RolloutBatch, width: int) -> torch.Tensor:
-        out = torch.zeros(len(batch.completions), width)
-        for rows in self._chunks([i for i, c in enumerate(batch.completions) if c]):
-            _, v = self._forward(self.model, [batch.prompts[i] for i in rows], [batch.completions[i] for i in rows],
-                                 batch.temperature, values=True)
-            out[rows, :v.shape[1]] = v
         return out
 
     def _update(self, batch, rows, mask, old_logp, adv, ref_logp, old_values, returns, stats) -> None:
