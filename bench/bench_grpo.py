@@ -18,7 +18,6 @@ strategy it settled on and its round counts per strategy.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import torch  # noqa: E402
 
 from rollout_ssd.rl.config import load_config  # noqa: E402
 from rollout_ssd.rl.tracking import RunLogger, plot_drift  # noqa: E402
-from rollout_ssd.rl.trainer import RLTrainer, version_row  # noqa: E402
+from rollout_ssd.rl.trainer import RLTrainer  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -66,20 +65,17 @@ def run_config(args, name: str, *overrides: str):
 
 
 def run(cfg) -> list[dict]:
+    """The recipe's own loop (RLTrainer.run logs metrics and version rows), printing a line per step."""
+    def show(m: dict) -> None:
+        print(f"  [{cfg.tracking.run_name}] step {m['step']}/{cfg.steps}: {m['rollout/tokens_per_s']:.1f} tok/s, "
+              f"hit {m.get('ssd/hit_rate', float('nan')):.3f}, accept {m.get('spec/accept_rate', float('nan')):.3f}, "
+              f"kl {m.get('drift/kl_target_draft', float('nan')):.3f}, reward {m['reward/mean']:.3f}, "
+              f"step {m['time/step_s']:.1f}s", flush=True)
+
     with RunLogger(cfg.tracking.out_dir, cfg.to_dict(), wandb_mode=cfg.tracking.wandb_mode,
                    project=cfg.tracking.project, run_name=cfg.tracking.run_name,
                    group=cfg.tracking.group) as logger, RLTrainer(cfg, logger) as trainer:
-        history = []
-        for s in range(cfg.steps):
-            m = trainer.step(s)
-            logger.log(s + 1, {k: v for k, v in m.items() if k != "step"})
-            logger.log_version(version_row(m))
-            history.append(m)
-            print(f"  [{cfg.tracking.run_name}] step {s + 1}/{cfg.steps}: {m['rollout/tokens_per_s']:.1f} tok/s, "
-                  f"hit {m.get('ssd/hit_rate', float('nan')):.3f}, accept {m.get('spec/accept_rate', float('nan')):.3f}, "
-                  f"kl {m.get('drift/kl_target_draft', float('nan')):.3f}, reward {m['reward/mean']:.3f}, "
-                  f"step {m['time/step_s']:.1f}s", flush=True)
-        return history
+        return trainer.run(on_step=show)
 
 
 def mean(rows, key, start=0):
@@ -165,8 +161,7 @@ def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     skip = set(filter(None, args.skip.split(",")))
-    result = {"bench": "grpo", "machine": machine_note(), "args": dataclasses.asdict(args) if dataclasses.is_dataclass(args)
-              else vars(args)}
+    result = {"bench": "grpo", "machine": machine_note(), "args": vars(args)}
     if "throughput" not in skip:
         rows, result["throughput"] = throughput(args)
         print("Part 1: GRPO rollouts by AR / SD / SSD (same prompts, seeds and learner)")

@@ -34,10 +34,6 @@ def rollout_to_dict(r: Rollout) -> dict:
     return {name: getattr(r, name) for name in ROLLOUT_FIELDS}
 
 
-def rollout_from_dict(d: dict) -> Rollout:
-    return Rollout(**{name: d[name] for name in ROLLOUT_FIELDS})
-
-
 def resolve_models(cfg: RLConfig) -> tuple[str, Optional[str]]:
     """(target, draft) sources: the tiny pair (built once under out_dir) or the configured ones."""
     if cfg.tiny:

@@ -122,7 +122,9 @@ class RLConfig:
             raise ValueError(f"learner.algorithm {self.learner.algorithm!r} differs from algorithm {self.algorithm!r}")
 
     def to_dict(self) -> dict:
-        return _plain(dataclasses.asdict(self))
+        from rollout_ssd.rl.tracking import jsonable_config
+
+        return jsonable_config(self)
 
 
 SECTIONS = {"sampling": SamplingParams, "spec": SpecConfig, "engine": EngineConfig, "follow": FollowConfig,
@@ -138,16 +140,6 @@ TINY = {
     "follow": {"steps": 2, "batch_tokens": 256, "lr": 1e-3, "top_k": 16},
     "ray": {"rollout_cpus": 0, "learner_cpus": 0},
 }
-
-
-def _plain(value):
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if hasattr(value, "is_floating_point"):  # a torch dtype left in a dataclass
-        return str(value)
-    return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
 
 
 def _merge(base: dict, extra: dict) -> dict:

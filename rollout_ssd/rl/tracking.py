@@ -56,13 +56,15 @@ def _plain(value, key: str):
     raise ValueError(f"metric {key!r}: unsupported value {value!r} of type {type(value).__name__}")
 
 
-def _jsonable_config(config):
+def jsonable_config(config):
+    """A JSON-ready copy of a config: dataclasses as dicts, tuples as lists, other objects (paths,
+    dtypes, devices) as their readable str."""
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         config = dataclasses.asdict(config)
     if isinstance(config, dict):
-        return {str(k): _jsonable_config(v) for k, v in config.items()}
+        return {str(k): jsonable_config(v) for k, v in config.items()}
     if isinstance(config, (list, tuple)):
-        return [_jsonable_config(v) for v in config]
+        return [jsonable_config(v) for v in config]
     if config is None or isinstance(config, (bool, int, float, str)):
         return config
     return str(config)  # paths, dtypes, devices: their readable form
@@ -94,7 +96,7 @@ class RunLogger:
             raise ValueError(f"config: expected a dict, got {type(config).__name__}")
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.config = _jsonable_config(config)
+        self.config = jsonable_config(config)
         self.wandb_mode = wandb_mode
         (self.out_dir / "config.json").write_text(json.dumps(self.config, indent=2) + "\n")
         self._metrics_file = open(self.out_dir / "metrics.jsonl", "a", encoding="utf-8")

@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Optional
 
-from rollout_ssd.rl.actors import LearnerWorker, RolloutWorker, has_draft, in_process_pair, rollout_from_dict
+from rollout_ssd.rl.actors import LearnerWorker, RolloutWorker, has_draft, in_process_pair
 from rollout_ssd.rl.config import RLConfig
 from rollout_ssd.rl.tasks import get_task
 
@@ -226,6 +226,3 @@ def version_row(metrics: dict) -> dict:
     row.update({k: metrics[k] for k in VERSION_KEYS if k in metrics})
     return row
 
-
-def to_rollouts(dicts: list[dict]):
-    return [rollout_from_dict(d) for d in dicts]
