@@ -82,8 +82,9 @@ class RLTrainer:
         if not ray.is_initialized():
             if os.environ.get("RAY_AUTH_MODE", "token") != "token":
                 log.warning("RAY_AUTH_MODE=%s: Ray's token authentication is off", os.environ["RAY_AUTH_MODE"])
-            # Ray >= 2.59 starts local clusters with token auth (a token in ~/.ray/auth_token); the
-            # head binds 127.0.0.1 unless ray.address names an existing cluster
+            # Ray >= 2.59 starts local clusters with token auth (a token in ~/.ray/auth_token). The node
+            # address is 127.0.0.1, but Ray 2.60's own gRPC servers still listen on every interface
+            # (seen with `ss -ltnp`); the token guards them. Our weight-sync group is loopback-only.
             kwargs = dict(include_dashboard=False, log_to_driver=True)
             if cfg.ray.address is None:
                 kwargs.update(_node_ip_address="127.0.0.1", num_cpus=cfg.ray.num_cpus)
