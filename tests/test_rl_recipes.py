@@ -15,8 +15,11 @@ import os
 
 import pytest
 
+from rollout_ssd.draft_follow import FollowConfig
 from rollout_ssd.rl.config import load_config
+from rollout_ssd.rl.learner import LearnerConfig
 from rollout_ssd.rl.recipe import main as recipe_main
+from rollout_ssd.rl.tiny import TinyConfig
 from rollout_ssd.rl.trainer import RLTrainer
 
 DESIGN_NAMES = ("rollout/tokens_per_s", "rollout/tokens_per_round", "spec/accept_rate", "spec/accept_length",
@@ -215,3 +218,12 @@ def test_weight_sync_group_listens_on_loopback_only(tmp_path):
     for rank, _pid, listeners in reports:
         exposed = {(a, port) for a, port in listeners if a not in LOOPBACK}
         assert not exposed, f"rank {rank} listens beyond loopback: {exposed}"
+
+
+@pytest.mark.parametrize("cls, field, value", [
+    (TinyConfig, "num_layers", True), (TinyConfig, "hidden_size", 0),
+    (LearnerConfig, "epochs", 1.5), (FollowConfig, "steps", False),
+])
+def test_integer_fields_refuse_bools_floats_and_zero(cls, field, value):
+    with pytest.raises(ValueError, match=f"{cls.__name__}.{field} must be an integer >= 1"):
+        cls(**{field: value})
