@@ -157,8 +157,10 @@ def ab_decode_steps(old, new, prompts, batches, steps: int, rev: str) -> list[di
     """Forwards of two decoders over their own caches, alternating which goes first, with the max
     relative logit difference and argmax agreement. Decode steps (1 new token per row) at each batch,
     also with the slots in reverse order (what the engine's slot free-list hands out on every other
-    call), and batch 1 with 5 new tokens per forward (an SD verification at k = 4)."""
-    configs = [(b, 1, False) for b in batches] + [(b, 1, True) for b in batches if b > 1] + [(1, 5, False)]
+    call), and SD verifications: batch 1 with 4, 5 and 6 new tokens per forward (k = 3, 4, 5), and
+    batch 8 with 4."""
+    configs = ([(b, 1, False) for b in batches] + [(b, 1, True) for b in batches if b > 1]
+               + [(1, 4, False), (1, 5, False), (1, 6, False)] + ([(8, 4, False)] if max(batches) >= 8 else []))
     rows = []
     for b, t, reverse in configs:
         runners = [ModelRunner(m, max(batches), 256) for m in (old, new)]

@@ -5,7 +5,13 @@ own core, Theorem 12 fan-out, neural backup, strategy rule on), SSD's hit rate, 
 strategy the rule chose, and Theorem 7's predicted speedup (from the engine's live estimates) next
 to the measured SSD/AR ratio. Greedy runs also check that SD and SSD tokens equal AR's. Run:
 
-    .venv/bin/python bench/bench_ssd.py            # batches 1,4,16; greedy and T=1
+Two more parts at batch 1, T=1, SSD forced (rule off) so each setting is measured as itself:
+"fanout" sweeps the speculation cache budget B (Theorem 12's allocation at each B, plus a flat
+manual fan-out) and reports the hit rate against it with the fitted power-law exponent r; "C"
+sweeps the Saguaro constant (and "adaptive") and reports hit rate, acceptance and tok/s: the
+trade-off curve.
+
+    .venv/bin/python bench/bench_ssd.py            # batches 1,4,16,32; greedy and T=1; fanout and C parts
     .venv/bin/python bench/bench_ssd.py --quick    # batch 1, greedy, short
 """
 
@@ -28,13 +34,17 @@ from rollout_ssd.models.registry import resolve_draft  # noqa: E402
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--batches", default="1,4,16")
+    p.add_argument("--batches", default="1,4,16,32")
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--parts", default="main,fanout,C", help="comma list of main, fanout, C")
+    p.add_argument("--budgets", default="4,8,16,32", help="fanout part: cache budgets B")
+    p.add_argument("--cs", default="1.0,0.8,0.6,0.4,adaptive", help="C part: Saguaro constants")
+    p.add_argument("--sweep-prompts", type=int, default=4, help="fanout/C parts: prompts, run one at a time")
     args = p.parse_args(argv)
     if args.quick:
-        args.batches, args.temperatures, args.new_tokens = "1", "0", 32
+        args.batches, args.temperatures, args.new_tokens, args.parts = "1", "0", 32, "main"
     return args
 
 
@@ -47,6 +57,48 @@ def run(engine, prompts, temperature, new_tokens):
     return [r.token_ids for r in out], sum(len(r.token_ids) for r in out) / seconds, engine.metrics()
 
 
+def run_batch1(engine, prompts, temperature, new_tokens):
+    """Prompts one at a time (batch 1) through one engine; tok/s over all and the engine's metrics."""
+    params = SamplingParams(temperature=temperature, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
+    engine.metrics(reset=True)
+    t0 = time.perf_counter()
+    tokens = sum(len(engine.sample([p], params)[0].token_ids) for p in prompts)
+    return tokens / (time.perf_counter() - t0), engine.metrics()
+
+
+def sweep_row(part, setting, cfg_kwargs, target, draft, prompts, args, sd_rate):
+    spec = SpecConfig(method="ssd", k=args.k, strategy_rule=False, **cfg_kwargs)
+    cfg = EngineConfig(max_batch_size=1, max_model_len=max(map(len, prompts)) + args.new_tokens + 8)
+    with RolloutEngine(target, spec, cfg, draft=draft) as engine:
+        rate, m = run_batch1(engine, prompts, 1.0, args.new_tokens)
+    return {"part": part, "setting": setting, "tok/s": rate, "SSD/SD": rate / sd_rate,
+            "hit": m.get("ssd/hit_rate"), "hit warm": m.get("ssd/hit_rate_warm"), "accept": m.get("spec/accept_rate"),
+            "fanout": m.get("ssd/fanout"), "r": m.get("ssd/r_estimate"),
+            "pred miss": m.get("ssd/predicted_miss_rate"), "T_p": m.get("ssd/T_p")}
+
+
+def sweeps(target, draft, args):
+    """The fanout and C parts (batch 1, T=1, SSD forced), each next to SD on the same prompts."""
+    parts = set(args.parts.split(","))
+    prompts = chat_prompt_ids(target.tokenizer, build_prompts(0, args.sweep_prompts, seed=0).heldout)
+    cfg = EngineConfig(max_batch_size=1, max_model_len=max(map(len, prompts)) + args.new_tokens + 8)
+    sd_rate, sd_m = run_batch1(RolloutEngine(target, SpecConfig(method="sd", k=args.k), cfg, draft=draft),
+                               prompts, 1.0, args.new_tokens)
+    rows = [{"part": "SD", "setting": f"k={args.k}", "tok/s": sd_rate, "SSD/SD": 1.0,
+             "accept": sd_m.get("spec/accept_rate")}]
+    if "fanout" in parts:
+        for b in (int(x) for x in args.budgets.split(",")):
+            rows.append(sweep_row("fanout", f"Thm12 B={b}", {"budget": b}, target, draft, prompts, args, sd_rate))
+        flat = 2
+        rows.append(sweep_row("fanout", f"flat F={flat}", {"fanout": (flat,) * (args.k + 1)}, target, draft,
+                              prompts, args, sd_rate))
+    if "C" in parts:
+        for c in args.cs.split(","):
+            value = c if c == "adaptive" else float(c)
+            rows.append(sweep_row("C", f"C={c}", {"C": value}, target, draft, prompts, args, sd_rate))
+    return rows
+
+
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(1)  # SSD pins target and draft to one core each: compare like with like
@@ -54,7 +106,7 @@ def main(argv=None):
     draft = load_pretrained(resolve_draft("default", "smollm2-135m-instruct"), dtype="float32",
                             with_tokenizer=False, share_embedding_from=target.model)
     batches = [int(b) for b in args.batches.split(",")]
-    temps = [float(t) for t in args.temperatures.split(",")]
+    temps = [float(t) for t in args.temperatures.split(",")] if "main" in args.parts.split(",") else []
     all_prompts = chat_prompt_ids(target.tokenizer, build_prompts(0, max(batches), seed=0).heldout)
     rows = []
     for temp in temps:
@@ -74,10 +126,16 @@ def main(argv=None):
                 "accept": m.get("spec/accept_rate"), "T_p": m.get("ssd/T_p"), "strategy": m.get("ssd/strategy"),
                 "greedy==AR": (sd_tokens == ar_tokens and ssd_tokens == ar_tokens) if temp == 0 else None,
                 "SD accept": sd_m.get("spec/accept_rate"),
+                "chosen/best(AR,SD)": ssd_rate / max(ar_rate, sd_rate),
             })
-    print_table(rows)
+    if rows:
+        print_table(rows)
+    sweep_rows = sweeps(target, draft, args) if {"fanout", "C"} & set(args.parts.split(",")) else []
+    if sweep_rows:
+        print_table(sweep_rows, columns=["part", "setting", "tok/s", "SSD/SD", "hit", "hit warm", "accept", "fanout",
+                                         "r", "pred miss", "T_p"])
     print_json_line({"bench": "ssd", "machine": machine_note(), "k": args.k, "new_tokens": args.new_tokens,
-                     "rows": rows})
+                     "rows": rows, "sweeps": sweep_rows})
 
 
 if __name__ == "__main__":

@@ -147,6 +147,35 @@ def test_rollback_then_append_equals_fresh_run(tiny):
         runner.rollback(slot, runner.length(slot) + 1)
 
 
+def test_multi_row_forwards_follow_in_place_weight_writes(tiny, tmp_path, request):
+    """Forwards over 2+ rows run on row-major copies of the frozen float32 layer weights
+    (decoder.RowMajorCopies). After the weights are rewritten in place (as weight sync does), both the
+    1-row and the multi-row forward must compute with the new values: the copies may never go stale."""
+    hf, loaded = tiny
+    vocab = hf.config.vocab_size
+    other = build_tiny(tmp_path, request.node.callspec.params["tiny"], seed=23)
+    prompt, tail = _random_ids(5, vocab, seed=8), _random_ids(3, vocab, seed=9)
+    model = copy.deepcopy(loaded.model)
+    runner = ModelRunner(model, num_slots=2, max_len=32)
+    slot = runner.allocate()
+    runner.prefill([slot], [prompt])
+    runner.extend([slot], [tail])            # builds the row-major copies
+    assert any(layer.row_major._copies for layer in model.layers)
+    runner.rollback(slot, 0)
+    with torch.no_grad():                    # write the other model's weights in place, through HF-named views
+        theirs = {k: v.detach().float() for k, v in other.state_dict().items()}
+        for name, param in model.hf_parameters().items():
+            if name in theirs:
+                param.copy_(theirs[name])
+    multi = runner.prefill([slot], [prompt + tail])[0]            # all rows in one forward
+    ref = hf_logits(other, prompt + tail)[-1]
+    assert rel_err(multi, ref) <= TOL_F32
+    runner.rollback(slot, len(prompt) + len(tail) - 1)
+    single = runner.decode([slot], [tail[-1]])[0]                 # one row
+    assert rel_err(single, ref) <= TOL_F32
+    assert rel_err(multi, hf_logits(hf, prompt + tail)[-1]) > 1e-3  # the write really changed the model
+
+
 # ---- the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ---------------------------------------
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village by the sea,"]
