@@ -148,9 +148,10 @@ def test_rollback_then_append_equals_fresh_run(tiny):
 
 
 def test_multi_row_forwards_follow_in_place_weight_writes(tiny, tmp_path, request):
-    """Forwards over 2+ rows run on row-major copies of the frozen float32 layer weights
-    (decoder.RowMajorCopies). After the weights are rewritten in place (as weight sync does), both the
-    1-row and the multi-row forward must compute with the new values: the copies may never go stale."""
+    """Forwards over 2+ rows run on row-major copies of the frozen float32 layer weights (decoder.linear,
+    decoder.WeightCopies). After the weights are rewritten in place (as weight sync does), or a weight
+    is replaced by a new tensor, both the 1-row and the multi-row forward must compute with the new
+    values: the copies may never go stale."""
     hf, loaded = tiny
     vocab = hf.config.vocab_size
     other = build_tiny(tmp_path, request.node.callspec.params["tiny"], seed=23)
@@ -174,6 +175,23 @@ def test_multi_row_forwards_follow_in_place_weight_writes(tiny, tmp_path, reques
     single = runner.decode([slot], [tail[-1]])[0]                 # one row
     assert rel_err(single, ref) <= TOL_F32
     assert rel_err(multi, hf_logits(hf, prompt + tail)[-1]) > 1e-3  # the write really changed the model
+
+    # replace (not write) a weight of a fresh model whose copies exist: the new tensor's version counter
+    # equals the old one's (both never written), so only its identity and address tell them apart
+    model = copy.deepcopy(loaded.model)
+    runner = ModelRunner(model, num_slots=2, max_len=32)
+    slot = runner.allocate()
+    before = runner.prefill([slot], [prompt + tail])[0]       # builds the row-major copies
+    for layer in model.layers:
+        new = torch.nn.Parameter(layer.w_down.detach().t().mul(0.5).contiguous().t(), requires_grad=False)
+        assert new._version == layer.w_down._version
+        layer.w_down = new
+    runner.rollback(slot, 0)
+    multi = runner.prefill([slot], [prompt + tail])[0]
+    runner.rollback(slot, len(prompt) + len(tail) - 1)
+    single = runner.decode([slot], [tail[-1]])[0]            # F.linear on the new tensors: no copy involved
+    assert rel_err(multi, single) <= TOL_F32
+    assert rel_err(multi, before) > 1e-3                     # the replacement really changed the model
 
 
 # ---- the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ---------------------------------------

@@ -81,39 +81,43 @@ def weight(rows: int, cols: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.zeros(rows, cols, dtype=dtype), requires_grad=False)
 
 
-class RowMajorCopies:
-    """Row-major contiguous copies of frozen float32 CPU weights, for GEMMs over 2+ rows.
+class WeightCopies:
+    """Copies of frozen weights in another memory layout, by name: `get(name, w, make)` returns
+    make(w), made on first use and remade whenever `w` is replaced, moved, or written in place (every
+    in-place op on it or on a view of it, as loaders, update_weights and weight sync do, bumps the
+    shared version counter; only writes through `.data` would not, and nothing here makes them). The
+    entry holds `w` itself, so a replaced weight's storage cannot be reused at the same address while
+    its copy is cached. Each copy costs its weight's size in memory.
 
-    The layers store float32 matrices column-major, which is the fastest form for one row (a decode
-    step at batch 1). For 2..256 rows (verification of K+1 tokens, batched decode, prefill) MKL is
-    1.5-2.7x faster computing W @ x.T over a row-major W (2 threads, AVX2 EPYC, MKL 2024.2: at 2..9 rows
-    the 30 layers' GEMMs cost about what one row costs, memory-bound; bench/RESULTS.md). So frozen
-    weights keep a second, row-major copy, made on first multi-row use and remade whenever the weight
-    is replaced, moved, or written in place (in-place writes through any view bump the shared version
-    counter, as loaders, update_weights and weight sync do). Costs one more copy of the matrices in
-    memory. Weights that require grad (training) never get one: they use F.linear."""
+    Used for the LM head's column-major copy (one-row logits) and the layers' row-major copies
+    (`linear`, 2+ rows)."""
 
     def __init__(self):
-        self._copies: dict[str, tuple[torch.Tensor, tuple]] = {}
+        self._copies: dict[str, tuple[torch.Tensor, torch.Tensor, tuple[int, int]]] = {}
 
-    def get(self, name: str, w: torch.Tensor) -> torch.Tensor:
-        key = (w.data_ptr(), w._version, tuple(w.shape))
+    def get(self, name: str, w: torch.Tensor, make) -> torch.Tensor:
         hit = self._copies.get(name)
-        if hit is None or hit[1] != key:
+        if hit is None or hit[1] is not w or hit[2] != (w.data_ptr(), w._version):
             with torch.inference_mode(False), torch.no_grad():
-                hit = (w.contiguous(), key)
+                hit = (make(w), w, (w.data_ptr(), w._version))
             self._copies[name] = hit
         return hit[0]
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, copies: RowMajorCopies, name: str,
+def linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,
            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear(x, w, bias), as W @ x.T over a row-major copy for 2+ rows of a frozen float32 CPU
-    weight (RowMajorCopies). The forms differ only in float32 rounding."""
+    """F.linear(x, w, bias); for 2+ rows of a frozen float32 CPU weight, W @ x.T over a row-major copy.
+
+    The layers store float32 matrices column-major, the fastest form for one row (a decode step at
+    batch 1). For 2..256 rows (verification of K+1 tokens, batched decode, prefill) MKL is 1.5-2.7x
+    faster computing W @ x.T over a row-major W (2 threads, AVX2 EPYC, MKL 2024.2: at 2..9 rows the 30
+    layers' GEMMs cost about what one row costs, memory-bound; bench/RESULTS.md), so frozen weights
+    keep a row-major copy in `copies` (one more copy of the layer matrices in memory). Weights that
+    require grad (training) use F.linear. The forms differ only in float32 rounding."""
     m = x.numel() // x.shape[-1]
     if m < 2 or w.requires_grad or w.dtype != torch.float32 or not w.is_cpu:
         return F.linear(x, w, bias)
-    rows = w if w.is_contiguous() else copies.get(name, w)
+    rows = w if w.is_contiguous() else copies.get(name, w, torch.Tensor.contiguous)
     out = torch.mm(rows, x.reshape(m, x.shape[-1]).t()).t()
     if bias is not None:
         out = out + bias
@@ -135,7 +139,7 @@ class DecoderLayer(nn.Module):
         self.k_norm = p(d) if cfg.qk_norm else None
         self.w_gate_up = weight(2 * cfg.intermediate_size, h, dtype)
         self.w_down = weight(h, cfg.intermediate_size, dtype)
-        self.row_major = RowMajorCopies()
+        self.row_major = WeightCopies()
 
     def hf_parameters(self, prefix: str) -> dict[str, torch.Tensor]:
         cfg = self.cfg
@@ -203,8 +207,7 @@ class Decoder(nn.Module):
         self.rope_scaling = rope_scaling
         self.backend = backend or SDPABackend()
         self.scale = cfg.head_dim ** -0.5
-        self._head_t: Optional[torch.Tensor] = None  # column_major_head's copy, and what it was made from
-        self._head_t_source: Optional[tuple] = None
+        self.copies = WeightCopies()  # the head's column-major copy
 
     def hf_parameters(self) -> dict[str, torch.Tensor]:
         """HF parameter name -> tensor (a view into our fused storage; write with copy_)."""
@@ -232,17 +235,9 @@ class Decoder(nn.Module):
         return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
     def column_major_head(self) -> torch.Tensor:
-        """The LM head's transpose [H, V], contiguous: a copy made on first use and remade whenever the
-        head is replaced, moved, or written in place (every in-place op on it or on a view of it, as
-        loaders, update_weights and weight sync do, bumps its version counter; only writes through
-        `.data` would not, and nothing here makes them)."""
-        head = self.lm_head
-        source = self._head_t_source
-        if source is None or source[0] is not head or source[1:] != (head.data_ptr(), head._version):
-            with torch.inference_mode(False), torch.no_grad():
-                self._head_t = head.t().contiguous()
-            self._head_t_source = (head, head.data_ptr(), head._version)
-        return self._head_t
+        """The LM head's transpose [H, V], contiguous (a WeightCopies copy: remade when the head is
+        replaced, moved, or written in place)."""
+        return self.copies.get("lm_head_t", self.lm_head, lambda head: head.t().contiguous())
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] (after the final norm) -> float32 logits [..., V]. With a restricted head,
