@@ -76,6 +76,49 @@ def test_recipe_tiny_three_steps_over_ray(algorithm, extra, tmp_path, local_ray)
     assert list(tmp_path.glob("wandb/offline-run-*")), "wandb (offline) wrote no run"
 
 
+def test_tiny_pair_built_once_under_concurrent_callers(tmp_path, monkeypatch):
+    """Rollout actors build the tiny pair concurrently (a CI run once read a config.json another actor
+    was rewriting). The build runs under a file lock: two callers at once write it once, and neither
+    returns before the files are complete."""
+    import threading
+    import time
+
+    from rollout_ssd.rl import tiny as tiny_mod
+    from rollout_ssd.rl.tasks import ALPHABET
+
+    real_write, writes, active, overlap = tiny_mod._write_tiny_pair, [], [0], [0]
+
+    def slow_write(*args):
+        active[0] += 1
+        overlap[0] = max(overlap[0], active[0])
+        time.sleep(0.3)  # widen the window the race needs
+        real_write(*args)
+        writes.append(1)
+        active[0] -= 1
+
+    monkeypatch.setattr(tiny_mod, "_write_tiny_pair", slow_write)
+    results, errors = [], []
+
+    def call():
+        try:
+            target, _ = tiny_mod.build_tiny_pair(tmp_path / "tiny_models", ALPHABET, TinyConfig(seed=3))
+            results.append(json.loads((target / "config.json").read_text())["vocab_size"])
+        except Exception as exc:  # noqa: BLE001 - reported by the assert below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 3
+    assert overlap[0] == 1 and len(writes) == 1
+    # a different recipe rebuilds; the same one is reused
+    tiny_mod.build_tiny_pair(tmp_path / "tiny_models", ALPHABET, TinyConfig(seed=4))
+    tiny_mod.build_tiny_pair(tmp_path / "tiny_models", ALPHABET, TinyConfig(seed=4))
+    assert len(writes) == 2
+
+
 def test_grpo_raises_reward_on_a_learnable_task(tmp_path):
     """Task "digits" (reward = share of digits in the completion; ~10/75 for a random tiny model).
     Deterministic (fixed seeds, in process): the mean reward of the last 3 of 12 steps must beat the

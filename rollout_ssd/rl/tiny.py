@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 
 from rollout_ssd.config import require_positive_ints
 
@@ -59,15 +60,28 @@ def char_tokenizer(alphabet: str):
 
 def build_tiny_pair(directory: str | Path, alphabet: str, config: TinyConfig = TinyConfig()) -> tuple[Path, Path]:
     """Write `directory/target` and `directory/draft` (skipped when both exist with the same recipe, so
-    actors and reruns share them). Returns their paths."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    actors and reruns share them). Returns their paths.
 
+    Rollout actors call this concurrently: the check and the build run under a file lock, and the
+    recipe stamp is removed before a rebuild and written last, so no caller returns while another is
+    still writing the files it is about to read."""
     directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
     target_dir, draft_dir = directory / "target", directory / "draft"
     recipe = {"alphabet": alphabet, **config.__dict__}
     stamp = directory / "tiny_recipe.json"
-    if stamp.is_file() and json.loads(stamp.read_text()) == recipe:
-        return target_dir, draft_dir
+    with FileLock(str(directory / ".build.lock")):
+        if stamp.is_file() and json.loads(stamp.read_text()) == recipe:
+            return target_dir, draft_dir
+        stamp.unlink(missing_ok=True)
+        _write_tiny_pair(target_dir, draft_dir, alphabet, config)
+        stamp.write_text(json.dumps(recipe))
+    return target_dir, draft_dir
+
+
+def _write_tiny_pair(target_dir: Path, draft_dir: Path, alphabet: str, config: TinyConfig) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     tokenizer = char_tokenizer(alphabet)
     eos = tokenizer.convert_tokens_to_ids("<eos>")
     hf_cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=config.hidden_size,
@@ -87,5 +101,3 @@ def build_tiny_pair(directory: str | Path, alphabet: str, config: TinyConfig = T
         model.save_pretrained(draft_dir, safe_serialization=True)
     finally:
         torch.random.set_rng_state(gen_state)
-    stamp.write_text(json.dumps(recipe))
-    return target_dir, draft_dir
