@@ -43,10 +43,11 @@ class ModelRunner:
     @torch.inference_mode()
     def extend(self, slots: Sequence[int], tokens: Sequence[Sequence[int]],
                positions: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
-               last_only: bool = False) -> torch.Tensor:
+               last_only: bool = False, head_only: bool = False) -> torch.Tensor:
         """Append tokens[b] to slot b and return float32 logits [B, T, V] (or [B, V] at each row's last
         new token if last_only). positions: optional [B, T] (default: consecutive after the cache);
-        mask: optional [B, T, L] bool over cache positions (default: causal)."""
+        mask: optional [B, T, L] bool over cache positions (default: causal). head_only: logits over the
+        LM head's rows only (`Decoder.head_logits`: a restricted head's width, not the vocabulary's)."""
         b = len(slots)
         if b == 0:
             raise ValueError("extend needs at least one row")
@@ -62,10 +63,11 @@ class ModelRunner:
             positions = torch.tensor(starts)[:, None] + torch.arange(t_max)[None, :]
         batch = ForwardBatch(tok, positions, num_new, list(slots), starts, mask)
         hidden = self.model(batch, self.cache)
+        logits = self.model.head_logits if head_only else self.model.logits
         if last_only:
             idx = torch.tensor(num_new) - 1
-            return self.model.logits(hidden[torch.arange(b), idx])
-        return self.model.logits(hidden)
+            return logits(hidden[torch.arange(b), idx])
+        return logits(hidden)
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Ragged batched prefill; returns the logits after each prompt's last token [B, V]."""
@@ -80,6 +82,6 @@ class ModelRunner:
             out.append(self.extend([slots[j] for j in group], [prompts[j] for j in group], last_only=True))
         return torch.cat(out, dim=0)
 
-    def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
-        """One new token per row; returns logits [B, V]."""
-        return self.extend(slots, [[t] for t in tokens], last_only=True)
+    def decode(self, slots: Sequence[int], tokens: Sequence[int], head_only: bool = False) -> torch.Tensor:
+        """One new token per row; returns logits [B, V] (head_only: over the LM head's rows)."""
+        return self.extend(slots, [[t] for t in tokens], last_only=True, head_only=head_only)

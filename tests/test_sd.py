@@ -117,7 +117,7 @@ def _restricted_head(draft, token_ids):
 
 @pytest.mark.parametrize("speculator,temperature,top_p,top_k", [
     ("draft", 1.0, 1.0, 0), ("draft", 0.7, 0.9, 0), ("suffix", 1.0, 1.0, 0), ("random", 0.7, 0.9, 0),
-    ("draft", 1.0, 1.0, 2), ("sparse", 1.0, 1.0, 0), ("sparse", 0.7, 0.9, 0),
+    ("draft", 1.0, 1.0, 2), ("sparse", 1.0, 1.0, 0), ("sparse", 0.7, 0.9, 0), ("sparse-unsorted", 1.0, 1.0, 0),
 ])
 def test_sd_law_matches_target(tmp_path, speculator, temperature, top_p, top_k):
     """Empirical law of 4-token continuations under SD vs the exact enumerated target law (the first
@@ -132,6 +132,8 @@ def test_sd_law_matches_target(tmp_path, speculator, temperature, top_p, top_k):
     draft, _ = _tiny(tmp_path, "d", 4, 16, 1, seed=4)  # an unrelated model: far from the target
     if speculator == "sparse":  # q on 2 of the 4 tokens only: the other two are never proposed
         draft, speculator = _restricted_head(draft, [0, 2]), "draft"
+    elif speculator == "sparse-unsorted":  # the draft samples over head rows: row -> token must hold
+        draft, speculator = _restricted_head(draft, [3, 1, 2]), "draft"
     prompt = [1, 2, 3]
     n = 4000
     eng = RolloutEngine(target, SpecConfig(method="sd", k=2, speculator=speculator),

@@ -239,9 +239,9 @@ class Decoder(nn.Module):
         replaced, moved, or written in place)."""
         return self.copies.get("lm_head_t", self.lm_head, lambda head: head.t().contiguous())
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] (after the final norm) -> float32 logits [..., V]. With a restricted head,
-        tokens outside it get -inf, so the distribution is exactly what the head can sample.
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] (after the final norm) -> float32 logits [..., head rows]: one per row of the
+        LM head, i.e. over `head_token_ids` for a restricted head, else over the vocabulary.
 
         float32 on CPU, the GEMM form depends on the row count M (MKL, AVX2 EPYC, bench/RESULTS.md):
         M = 1 streams a column-major copy of the head (1.5x faster than F.linear's GEMV, at the read
@@ -256,7 +256,12 @@ class Decoder(nn.Module):
             head = torch.mm(self.lm_head, rows.t()).t().contiguous()
         else:
             head = F.linear(rows, self.lm_head)
-        head = head.float().reshape(*hidden.shape[:-1], head.shape[-1])
+        return head.float().reshape(*hidden.shape[:-1], head.shape[-1])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] (after the final norm) -> float32 logits [..., V]. With a restricted head,
+        tokens outside it get -inf, so the distribution is exactly what the head can sample."""
+        head = self.head_logits(hidden)
         if self.head_token_ids is None:
             return head
         full = head.new_full((*head.shape[:-1], self.cfg.vocab_size), float("-inf"))
