@@ -15,14 +15,12 @@ import argparse
 import time
 
 import torch
-from common import add_repo_to_path, machine_note, print_json_line, print_table
+from common import add_repo_to_path, load_default_pair, machine_note, print_json_line, print_table
 
 add_repo_to_path()
 
 from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig  # noqa: E402
 from rollout_ssd.distill import build_prompts, chat_prompt_ids  # noqa: E402
-from rollout_ssd.models.loader import load_pretrained  # noqa: E402
-from rollout_ssd.models.registry import resolve_draft  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -99,9 +97,7 @@ def run_hf(model, prompts, new_tokens, **gen_kwargs):
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    target = load_pretrained("smollm2-135m-instruct", dtype="float32")
-    draft = load_pretrained(resolve_draft("default", "smollm2-135m-instruct"), dtype="float32",
-                            with_tokenizer=False, share_embedding_from=target.model)
+    target, draft = load_default_pair()
     prompts = chat_prompt_ids(target.tokenizer, build_prompts(0, args.prompts, seed=0).heldout)
     ks = [int(k) for k in args.ks.split(",")]
     batches = [int(b) for b in args.batches.split(",")]

@@ -21,14 +21,12 @@ import argparse
 import time
 
 import torch
-from common import add_repo_to_path, machine_note, print_json_line, print_table
+from common import add_repo_to_path, load_default_pair, machine_note, print_json_line, print_table
 
 add_repo_to_path()
 
 from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig  # noqa: E402
 from rollout_ssd.distill import build_prompts, chat_prompt_ids  # noqa: E402
-from rollout_ssd.models.loader import load_pretrained  # noqa: E402
-from rollout_ssd.models.registry import resolve_draft  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -102,9 +100,7 @@ def sweeps(target, draft, args):
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(1)  # SSD pins target and draft to one core each: compare like with like
-    target = load_pretrained("smollm2-135m-instruct", dtype="float32")
-    draft = load_pretrained(resolve_draft("default", "smollm2-135m-instruct"), dtype="float32",
-                            with_tokenizer=False, share_embedding_from=target.model)
+    target, draft = load_default_pair()
     batches = [int(b) for b in args.batches.split(",")]
     temps = [float(t) for t in args.temperatures.split(",")] if "main" in args.parts.split(",") else []
     all_prompts = chat_prompt_ids(target.tokenizer, build_prompts(0, max(batches), seed=0).heldout)

@@ -1,5 +1,6 @@
 """Helpers shared by the benchmarks: a plain-text table, the JSON last line (STYLE.md habit 9),
-a machine note, a timer, and the memory-bandwidth probe the rooflines divide by.
+a machine note, a timer, the memory-bandwidth probe the rooflines divide by, and the loader of the
+default target/draft pair.
 
 Benchmarks run as scripts (`python bench/bench_x.py`); the package never imports this folder.
 """
@@ -25,6 +26,18 @@ def add_repo_to_path() -> None:
     """Let `python bench/x.py` import `rollout_ssd` from this checkout without installing it."""
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
+
+
+def load_default_pair(draft: str = "default"):
+    """(target, draft) LoadedModels: SmolLM2-135M-Instruct in float32 and `draft` ("default" = the
+    built-in draft, or a checkpoint directory), the draft sharing the target's embedding."""
+    add_repo_to_path()
+    from rollout_ssd.models.loader import load_pretrained
+    from rollout_ssd.models.registry import resolve_draft
+
+    target = load_pretrained("smollm2-135m-instruct", dtype="float32")
+    return target, load_pretrained(resolve_draft(draft, "smollm2-135m-instruct"), dtype="float32",
+                                   with_tokenizer=False, share_embedding_from=target.model)
 
 
 def print_table(rows: Sequence[dict], columns: Optional[Sequence[str]] = None, floatfmt: str = ".2f") -> None:

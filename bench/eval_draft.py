@@ -17,13 +17,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import add_repo_to_path, machine_note, print_json_line, print_table
+from common import add_repo_to_path, load_default_pair, machine_note, print_json_line, print_table
 
 add_repo_to_path()
 
 from rollout_ssd import distill  # noqa: E402
-from rollout_ssd.models.loader import load_pretrained  # noqa: E402
-from rollout_ssd.models.registry import resolve_draft  # noqa: E402
 
 SETS = ("templates", "unseen")
 
@@ -49,21 +47,19 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    target = load_pretrained("smollm2-135m-instruct", dtype="float32")
-    path = resolve_draft(args.draft, "smollm2-135m-instruct")
-    draft = load_pretrained(path, dtype="float32", with_tokenizer=False, share_embedding_from=target.model).model
+    target, draft = load_default_pair(args.draft)
     split = distill.build_prompts(8000, 32, seed=0)
     prompts = {"templates": split.heldout, "unseen": split.train[7900:7932]}
     rows = []
     for name in args.sets:
         ids = distill.chat_prompt_ids(target.tokenizer, prompts[name][: args.prompts])
         for temperature in (0.0, 1.0):
-            acc = distill.measure_acceptance(target.model, draft, ids, temperature, args.max_new_tokens)
+            acc = distill.measure_acceptance(target.model, draft.model, ids, temperature, args.max_new_tokens)
             rows.append({"set": name, "T": temperature, "accept": acc.accept_rate, "positions": acc.positions,
                          "sequences": acc.sequences})
             print(rows[-1], flush=True)
     print_table(rows, floatfmt=".3f")
-    print_json_line({"bench": "eval_draft", "draft": str(path), "args": vars(args), "machine": machine_note(),
+    print_json_line({"bench": "eval_draft", "draft": draft.source, "args": vars(args), "machine": machine_note(),
                      "rows": rows})
 
 

@@ -16,14 +16,12 @@ import time
 from collections import defaultdict
 
 import torch
-from common import add_repo_to_path, machine_note, print_json_line, print_table
+from common import add_repo_to_path, load_default_pair, machine_note, print_json_line, print_table
 
 add_repo_to_path()
 
 from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig  # noqa: E402
 from rollout_ssd.distill import build_prompts, chat_prompt_ids  # noqa: E402
-from rollout_ssd.models.loader import load_pretrained  # noqa: E402
-from rollout_ssd.models.registry import resolve_draft  # noqa: E402
 from rollout_ssd.runner import ModelRunner  # noqa: E402
 
 
@@ -115,9 +113,7 @@ def op_profile(target, steps: int) -> list[dict]:
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    target = load_pretrained("smollm2-135m-instruct", dtype="float32")
-    draft = load_pretrained(resolve_draft("default", "smollm2-135m-instruct"), dtype="float32",
-                            with_tokenizer=False, share_embedding_from=target.model)
+    target, draft = load_default_pair()
     prompts = chat_prompt_ids(target.tokenizer, build_prompts(0, args.prompts, seed=0).heldout)
     cfg = EngineConfig(max_batch_size=1, max_model_len=max(map(len, prompts)) + args.new_tokens + 8)
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
