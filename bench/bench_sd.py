@@ -2,10 +2,13 @@
 speculator, transformers' assisted generation with the same draft, and transformers' prompt-lookup
 decoding, in one run; K sweep; batch 1 and 8; greedy and T=1.
 
-Prompts are the distillation command's held-out prompts (templates the draft never trained on),
-as chat turns. Greedy runs also check that SD's tokens equal AR's. Run:
+Prompts (`--prompt-set`, `common.bench_prompts`), as chat turns: "templates" (default) = the
+distillation command's held-out prompts, templates the draft never trained on; "unseen" = unseen
+prompts of its training templates, as in an RL job whose draft is distilled on the policy's own
+prompt set. Greedy runs also check that SD's tokens equal AR's. Run:
 
     .venv/bin/python bench/bench_sd.py            # full
+    .venv/bin/python bench/bench_sd.py --prompt-set unseen
     .venv/bin/python bench/bench_sd.py --quick    # a short smoke run
 """
 
@@ -15,12 +18,11 @@ import argparse
 import time
 
 import torch
-from common import add_repo_to_path, load_default_pair, machine_note, print_json_line, print_table
+from common import PROMPT_SETS, add_repo_to_path, bench_prompts, load_default_pair, machine_note, print_json_line, print_table
 
 add_repo_to_path()
 
 from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig  # noqa: E402
-from rollout_ssd.distill import build_prompts, chat_prompt_ids  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -28,11 +30,15 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ks", default="2,3,4,5")
+    p.add_argument("--stop-probs", default="0,0.3", help="neural draft: SpecConfig.stop_prob values (0 = always K)")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--prompt-set", choices=PROMPT_SETS, default="templates",
+                   help="templates: held-out templates (new kinds); unseen: unseen prompts of the training "
+                        "templates (common.bench_prompts)")
     args = p.parse_args(argv)
     if args.quick:
         args.ks, args.batches, args.prompts, args.new_tokens = "3", "1", 2, 24
@@ -98,16 +104,18 @@ def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     target, draft = load_default_pair()
-    prompts = chat_prompt_ids(target.tokenizer, build_prompts(0, args.prompts, seed=0).heldout)
+    prompts = bench_prompts(target.tokenizer, args.prompt_set, args.prompts)
     ks = [int(k) for k in args.ks.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     temps = [float(t) for t in args.temperatures.split(",")]
     cfg = EngineConfig(max_batch_size=max(batches), max_model_len=max(map(len, prompts)) + args.new_tokens + 8)
     rows = []
 
-    def row(method, k, batch, temp, tok_s, ar_tok_s, metrics=None, same=None):
+    stops = [float(x) for x in args.stop_probs.split(",")]
+
+    def row(method, k, batch, temp, tok_s, ar_tok_s, metrics=None, same=None, stop=None):
         metrics = metrics or {}
-        rows.append({"method": method, "K": k, "batch": batch, "T": temp, "tok/s": tok_s,
+        rows.append({"method": method, "K": k, "stop": stop, "batch": batch, "T": temp, "tok/s": tok_s,
                      "x AR": tok_s / ar_tok_s, "accept": metrics.get("spec/accept_rate"),
                      "len/round": metrics.get("spec/accept_length"),
                      "draft share": metrics.get("spec/draft_time_share"), "greedy==AR": same})
@@ -118,11 +126,12 @@ def main(argv=None):
             ar_tokens, ar_rate, _ = run_ours(ar_engine, prompts, temp, args.new_tokens, batch)
             row("ours AR", None, batch, temp, ar_rate, ar_rate)
             for k in ks:
-                for spec_name in ("draft", "suffix"):
-                    engine = RolloutEngine(target, SpecConfig(method="sd", k=k, speculator=spec_name), cfg, draft=draft)
+                for spec_name, stop in [("draft", x) for x in stops] + [("suffix", None)]:
+                    spec = SpecConfig(method="sd", k=k, speculator=spec_name, stop_prob=stop or 0.0)
+                    engine = RolloutEngine(target, spec, cfg, draft=draft)
                     tokens, rate, m = run_ours(engine, prompts, temp, args.new_tokens, batch)
                     same = tokens == ar_tokens if temp == 0 else None
-                    row(f"ours SD {spec_name}", k, batch, temp, rate, ar_rate, m, same)
+                    row(f"ours SD {spec_name}", k, batch, temp, rate, ar_rate, m, same, stop)
             if batch == 1 and temp == 0 and not args.no_hf:
                 hf_target, hf_draft = hf_models(target, draft)
                 _, hf_ar = run_hf(hf_target, prompts, args.new_tokens)
@@ -138,12 +147,13 @@ def main(argv=None):
     print_table(rows)
     best = {}
     for r in rows:
-        key = (r["method"], r["batch"], r["T"])
+        key = (r["method"] + ("" if r["stop"] is None else f" stop={r['stop']}"), r["batch"], r["T"])
         if r["method"].startswith(("ours SD", "hf assisted")) and (key not in best or r["tok/s"] > best[key]["tok/s"]):
             best[key] = r
-    summary = {f"{m}|b{b}|T{t}": {"K": r["K"], "x_ar": round(r["x AR"], 3), "tok_s": round(r["tok/s"], 2),
+    summary = {f"{m}|b{b}|T{t}": {"K": r["K"], "stop": r["stop"], "x_ar": round(r["x AR"], 3), "tok_s": round(r["tok/s"], 2),
                                   "accept": r["accept"]} for (m, b, t), r in best.items()}
     print_json_line({"bench": "sd", "machine": machine_note(), "new_tokens": args.new_tokens,
+                     "prompt_set": args.prompt_set,
                      "prompts": len(prompts), "best": summary, "rows": rows})
 
 

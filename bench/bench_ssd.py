@@ -13,6 +13,9 @@ trade-off curve.
 
     .venv/bin/python bench/bench_ssd.py            # batches 1,4,16,32; greedy and T=1; fanout and C parts
     .venv/bin/python bench/bench_ssd.py --quick    # batch 1, greedy, short
+
+Prompts: `--prompt-set templates` (default: held-out templates) or `unseen` (unseen prompts of the
+draft's training templates), as in bench_sd.py.
 """
 
 from __future__ import annotations
@@ -21,12 +24,11 @@ import argparse
 import time
 
 import torch
-from common import add_repo_to_path, load_default_pair, machine_note, print_json_line, print_table
+from common import PROMPT_SETS, add_repo_to_path, bench_prompts, load_default_pair, machine_note, print_json_line, print_table
 
 add_repo_to_path()
 
 from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig  # noqa: E402
-from rollout_ssd.distill import build_prompts, chat_prompt_ids  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -40,6 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--budgets", default="4,8,16,32", help="fanout part: cache budgets B")
     p.add_argument("--cs", default="1.0,0.8,0.6,0.4,adaptive", help="C part: Saguaro constants")
     p.add_argument("--sweep-prompts", type=int, default=4, help="fanout/C parts: prompts, run one at a time")
+    p.add_argument("--prompt-set", choices=PROMPT_SETS, default="templates",
+                   help="templates: held-out templates (new kinds); unseen: unseen prompts of the training "
+                        "templates (common.bench_prompts)")
     args = p.parse_args(argv)
     if args.quick:
         args.batches, args.temperatures, args.new_tokens, args.parts = "1", "0", 32, "main"
@@ -78,7 +83,7 @@ def sweep_row(part, setting, cfg_kwargs, target, draft, prompts, args, sd_rate):
 def sweeps(target, draft, args):
     """The fanout and C parts (batch 1, T=1, SSD forced), each next to SD on the same prompts."""
     parts = set(args.parts.split(","))
-    prompts = chat_prompt_ids(target.tokenizer, build_prompts(0, args.sweep_prompts, seed=0).heldout)
+    prompts = bench_prompts(target.tokenizer, args.prompt_set, args.sweep_prompts)
     cfg = EngineConfig(max_batch_size=1, max_model_len=max(map(len, prompts)) + args.new_tokens + 8)
     sd_rate, sd_m = run_batch1(RolloutEngine(target, SpecConfig(method="sd", k=args.k), cfg, draft=draft),
                                prompts, 1.0, args.new_tokens)
@@ -103,7 +108,7 @@ def main(argv=None):
     target, draft = load_default_pair()
     batches = [int(b) for b in args.batches.split(",")]
     temps = [float(t) for t in args.temperatures.split(",")] if "main" in args.parts.split(",") else []
-    all_prompts = chat_prompt_ids(target.tokenizer, build_prompts(0, max(batches), seed=0).heldout)
+    all_prompts = bench_prompts(target.tokenizer, args.prompt_set, max(batches))
     rows = []
     for temp in temps:
         for batch in batches:
@@ -131,6 +136,7 @@ def main(argv=None):
         print_table(sweep_rows, columns=["part", "setting", "tok/s", "SSD/SD", "hit", "hit warm", "accept", "fanout",
                                          "r", "pred miss", "T_p"])
     print_json_line({"bench": "ssd", "machine": machine_note(), "k": args.k, "new_tokens": args.new_tokens,
+                     "prompt_set": args.prompt_set,
                      "rows": rows, "sweeps": sweep_rows})
 
 

@@ -40,6 +40,32 @@ def load_default_pair(draft: str = "default"):
                                    with_tokenizer=False, share_embedding_from=target.model)
 
 
+PROMPT_SETS = ("templates", "unseen")
+
+
+def bench_prompts(tokenizer, prompt_set: str, count: int) -> list[list[int]]:
+    """The first `count` prompts of a benchmark prompt set, as chat-template token ids:
+
+    - "templates": the distillation recipe's held-out prompts, `build_prompts(8000, n, seed=0).heldout`,
+      filled from one template per kind that training never uses (new kinds of prompt);
+    - "unseen": training-template prompts no data cache of the default draft sampled,
+      `build_prompts(8000, 0, seed=0).train[7900:8000]` (its caches stop before training prompt 2,736;
+      the draft's PROVENANCE.md): new prompts of the kinds it was distilled on, as in an RL job whose
+      draft is distilled on the policy's own prompt set."""
+    add_repo_to_path()
+    from rollout_ssd.distill import build_prompts, chat_prompt_ids
+
+    if prompt_set == "templates":
+        texts = build_prompts(8000, count, seed=0).heldout
+    elif prompt_set == "unseen":
+        texts = build_prompts(8000, 0, seed=0).train[7900:8000]
+    else:
+        raise ValueError(f"prompt set must be one of {PROMPT_SETS}, got {prompt_set!r}")
+    if count > len(texts):
+        raise ValueError(f"prompt set {prompt_set!r} holds {len(texts)} prompts, {count} asked")
+    return chat_prompt_ids(tokenizer, texts[:count])
+
+
 def print_table(rows: Sequence[dict], columns: Optional[Sequence[str]] = None, floatfmt: str = ".2f") -> None:
     """Print rows (dicts) as an aligned table; columns default to the first row's keys."""
     if not rows:

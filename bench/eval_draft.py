@@ -1,9 +1,8 @@
 """Held-out SD acceptance of a draft for SmolLM2-135M-Instruct on two prompt sets (issue 3's goals).
 
-- `templates`: the distillation recipe's 32 held-out prompts, `build_prompts(8000, 32, seed=0).heldout`,
-  filled from templates training never uses (what the recipe itself reports);
-- `unseen`: 32 training-template prompts no data cache sampled, `build_prompts(8000, 32, seed=0).train`
-  [7900:7932] (the default draft's data caches stop before training prompt 2,736; PROVENANCE.md).
+- `templates`: the distillation recipe's 32 held-out prompts, filled from templates training never
+  uses (what the recipe itself reports);
+- `unseen`: 32 training-template prompts no data cache sampled (`common.bench_prompts` defines both).
 
 Per set, the expected per-token acceptance along target-sampled continuations of at most 96 tokens
 (`distill.measure_acceptance`: greedy P[argmax q = argmax p], T=1 sum_x min(p, q)). Run:
@@ -17,13 +16,13 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import add_repo_to_path, load_default_pair, machine_note, print_json_line, print_table
+from common import PROMPT_SETS, add_repo_to_path, bench_prompts, load_default_pair, machine_note, print_json_line, print_table
 
 add_repo_to_path()
 
 from rollout_ssd import distill  # noqa: E402
 
-SETS = ("templates", "unseen")
+SETS = PROMPT_SETS
 
 
 def parse_args(argv=None):
@@ -48,11 +47,9 @@ def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     target, draft = load_default_pair(args.draft)
-    split = distill.build_prompts(8000, 32, seed=0)
-    prompts = {"templates": split.heldout, "unseen": split.train[7900:7932]}
     rows = []
     for name in args.sets:
-        ids = distill.chat_prompt_ids(target.tokenizer, prompts[name][: args.prompts])
+        ids = bench_prompts(target.tokenizer, name, args.prompts)
         for temperature in (0.0, 1.0):
             acc = distill.measure_acceptance(target.model, draft.model, ids, temperature, args.max_new_tokens)
             rows.append({"set": name, "T": temperature, "accept": acc.accept_rate, "positions": acc.positions,

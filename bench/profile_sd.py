@@ -16,12 +16,11 @@ import time
 from collections import defaultdict
 
 import torch
-from common import add_repo_to_path, load_default_pair, machine_note, print_json_line, print_table
+from common import PROMPT_SETS, add_repo_to_path, bench_prompts, load_default_pair, machine_note, print_json_line, print_table
 
 add_repo_to_path()
 
 from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig  # noqa: E402
-from rollout_ssd.distill import build_prompts, chat_prompt_ids  # noqa: E402
 from rollout_ssd.runner import ModelRunner  # noqa: E402
 
 
@@ -29,6 +28,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--prompt-set", choices=PROMPT_SETS, default="templates", help="common.bench_prompts")
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--op-steps", type=int, default=20, help="target decode steps under torch.profiler")
@@ -114,7 +114,7 @@ def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     target, draft = load_default_pair()
-    prompts = chat_prompt_ids(target.tokenizer, build_prompts(0, args.prompts, seed=0).heldout)
+    prompts = bench_prompts(target.tokenizer, args.prompt_set, args.prompts)
     cfg = EngineConfig(max_batch_size=1, max_model_len=max(map(len, prompts)) + args.new_tokens + 8)
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
     ar = RolloutEngine(target, SpecConfig(method="ar"), cfg)

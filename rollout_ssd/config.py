@@ -33,6 +33,10 @@ class SpecConfig:
 
     k: draft tokens per round. speculator (SD): what proposes ("draft" = the neural draft model,
     "suffix" = suffix/n-gram matching over the prompt, the sequence and its siblings, "random").
+    stop_prob (SD, neural draft): a sequence's chain ends before k tokens once the draft drew a token
+    it gave probability below stop_prob (greedy: its T=1 softmax); 0 always drafts k. Lossless for
+    any value (the draft alone decides the length); 0.3 made K=3..8 alike on the default pair
+    (bench/RESULTS.md), so a larger k costs little when the draft is unsure.
     SSD knobs, by name (see `rollout_ssd.ssd.config.SSDConfig` for their meaning): fanout (None =
     Theorem 12 from live estimates, or a manual F_0..F_k), budget, C (Saguaro, or "adaptive"),
     backup ("neural" | "suffix" | "random"), strategy_rule (pick SSD/SD/suffix/AR per batch by
@@ -42,6 +46,7 @@ class SpecConfig:
     method: str = "ar"
     k: int = 4
     speculator: str = "draft"
+    stop_prob: float = 0.3
     fanout: Optional[tuple[int, ...]] = None
     budget: Optional[int] = None
     C: Union[float, str] = 1.0
@@ -54,6 +59,9 @@ class SpecConfig:
             raise ValueError(f"SpecConfig.method must be one of {METHODS}, got {self.method!r}")
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
             raise ValueError(f"SpecConfig.k must be an integer >= 1, got {self.k!r}")
+        if isinstance(self.stop_prob, bool) or not isinstance(self.stop_prob, (int, float)) \
+                or not 0.0 <= self.stop_prob < 1.0:
+            raise ValueError(f"SpecConfig.stop_prob must be a number in [0, 1), got {self.stop_prob!r}")
         if self.speculator not in SPECULATORS:
             raise ValueError(f"SpecConfig.speculator must be one of {SPECULATORS}, got {self.speculator!r}")
         if self.method == "ssd":

@@ -123,7 +123,8 @@ class RolloutEngine:
             self._check_draft(draft)
             from rollout_ssd.spec.draft_model import DraftModelSpeculator
 
-            return DraftModelSpeculator(draft.model, self.runner.cache.num_slots, self.max_model_len)
+            return DraftModelSpeculator(draft.model, self.runner.cache.num_slots, self.max_model_len,
+                                        stop_prob=float(spec.stop_prob))
         if spec.speculator == "suffix":
             from rollout_ssd.spec.suffix import SuffixSpeculator
 

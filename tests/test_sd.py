@@ -3,6 +3,8 @@ logprobs, and the law of short continuations equals the exact target law for eve
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -35,20 +37,21 @@ def pair(tmp_path_factory):
     return target, draft, hf_target
 
 
-def _engine(target, draft, method, speculator="draft", k=3, batch=3):
-    return RolloutEngine(target, SpecConfig(method=method, k=k, speculator=speculator),
+def _engine(target, draft, method, speculator="draft", k=3, batch=3, stop_prob=0.0):
+    return RolloutEngine(target, SpecConfig(method=method, k=k, speculator=speculator, stop_prob=stop_prob),
                          EngineConfig(max_batch_size=batch, max_model_len=128), draft=draft)
 
 
-@pytest.mark.parametrize("speculator", ["draft", "self", "suffix", "random"])
+@pytest.mark.parametrize("speculator", ["draft", "draft-stop", "self", "suffix", "random"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_greedy_sd_equals_ar(pair, speculator, batch):
     target, draft, _ = pair
     params = SamplingParams(temperature=0, max_new_tokens=24, n=2, ignore_eos=True)
     ar = _engine(target, None, "ar", batch=batch).sample(PROMPTS, params)
     sd_draft = target if speculator == "self" else draft
-    spec = "draft" if speculator == "self" else speculator
-    eng = _engine(target, sd_draft, "sd", speculator=spec, k=3, batch=batch)
+    spec = "draft" if speculator in ("self", "draft-stop") else speculator
+    eng = _engine(target, sd_draft, "sd", speculator=spec, k=3, batch=batch,
+                  stop_prob=0.6 if speculator == "draft-stop" else 0.0)
     sd = eng.sample(PROMPTS, params)
     assert [r.token_ids for r in sd] == [r.token_ids for r in ar]
     for a, b in zip(ar, sd):
@@ -95,8 +98,6 @@ def _exact_law(hf_model, prompt, steps, temperature, top_p, top_k):
 
 def _restricted_head(draft, token_ids):
     """The same draft with its LM head cut to `token_ids` (a sparse q, as the default draft has)."""
-    import dataclasses
-
     from rollout_ssd.models.decoder import Decoder
     from rollout_ssd.models.loader import LoadedModel
 
@@ -118,12 +119,17 @@ def _restricted_head(draft, token_ids):
 @pytest.mark.parametrize("speculator,temperature,top_p,top_k", [
     ("draft", 1.0, 1.0, 0), ("draft", 0.7, 0.9, 0), ("suffix", 1.0, 1.0, 0), ("random", 0.7, 0.9, 0),
     ("draft", 1.0, 1.0, 2), ("sparse", 1.0, 1.0, 0), ("sparse", 0.7, 0.9, 0), ("sparse-unsorted", 1.0, 1.0, 0),
+    ("draft-stop", 1.0, 1.0, 0), ("draft-stop", 0.7, 0.9, 0), ("sparse-stop", 1.0, 1.0, 0),
 ])
 def test_sd_law_matches_target(tmp_path, speculator, temperature, top_p, top_k):
     """Empirical law of 4-token continuations under SD vs the exact enumerated target law (the first
     token comes from the prefill, the next three from one SD round with K=2 drafted tokens).
+    "-stop" cases end a chain after a token the draft drew with probability < 0.6 (SpecConfig.stop_prob),
+    which here cuts many chains to one token (checked: fewer draft tokens per round than without).
     Chi-square with cells of expected count < 5 pooled; alpha = 1e-4, so this test fails by
     chance with probability 1e-4 (seeds are fixed, so a given run is deterministic)."""
+    stop_prob = 0.6 if speculator.endswith("-stop") else 0.0
+    speculator = speculator.removesuffix("-stop")
     target, hf_target = _tiny(tmp_path, "t", 4, 16, 1, seed=3)
     with torch.no_grad():
         hf_target.lm_head.weight.div_(4.0)  # back to a spread-out law (V=4) so every cell is exercised
@@ -136,7 +142,7 @@ def test_sd_law_matches_target(tmp_path, speculator, temperature, top_p, top_k):
         draft, speculator = _restricted_head(draft, [3, 1, 2]), "draft"
     prompt = [1, 2, 3]
     n = 4000
-    eng = RolloutEngine(target, SpecConfig(method="sd", k=2, speculator=speculator),
+    eng = RolloutEngine(target, SpecConfig(method="sd", k=2, speculator=speculator, stop_prob=stop_prob),
                         EngineConfig(max_batch_size=256, max_model_len=16), draft=draft)
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=4,
                             ignore_eos=True, seed=11)
@@ -161,7 +167,29 @@ def test_sd_law_matches_target(tmp_path, speculator, temperature, top_p, top_k):
         exp.append(pool_e)
     scale = sum(obs) / sum(exp)
     assert chisquare(obs, [e * scale for e in exp]).pvalue > 1e-4
-    assert eng.metrics()["spec/proposed_per_round"] > 0
+    proposed = eng.metrics()["spec/proposed_per_round"]
+    assert proposed > 0
+    if stop_prob:  # the early stop really cut chains: fewer draft tokens per round than without it
+        full = RolloutEngine(target, SpecConfig(method="sd", k=2, speculator=speculator, stop_prob=0.0),
+                             EngineConfig(max_batch_size=256, max_model_len=16), draft=draft)
+        full.sample([prompt], dataclasses.replace(params, n=500))
+        assert proposed < 0.9 * full.metrics()["spec/proposed_per_round"]
+
+
+def test_stop_prob_shortens_chains(pair):
+    """stop_prob ends a chain after an unsure draw: at 0.99 nearly every chain of this random draft stops
+    after its first token, at 0 every chain has K tokens; bad values are refused by name."""
+    target, draft, _ = pair
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True, seed=3)
+    per_round = {}
+    for stop in (0.0, 0.99):
+        eng = _engine(target, draft, "sd", k=4, stop_prob=stop)
+        eng.sample(PROMPTS, params)
+        per_round[stop] = eng.metrics()["spec/proposed_per_round"]
+    assert per_round[0.0] > 3.0 and per_round[0.99] < 1.5, per_round  # K=4 (last rounds: the budget)
+    for bad in (-0.1, 1.0, "0.3", True):
+        with pytest.raises(ValueError, match="stop_prob"):
+            SpecConfig(method="sd", stop_prob=bad)
 
 
 def test_sd_metrics_names(pair):

@@ -11,6 +11,11 @@ draft's logits (a close q accepts more; any q is exact because verification uses
 a generator stream of the sequence's own (stream 2) that verification never touches. Greedy rows
 take argmax q. A restricted-head draft (head_token_ids) reports q on that support (`SparseDraft`).
 
+Early stop (`stop_prob`): a sequence's chain ends before k tokens once the draft gave its drawn token
+a probability below stop_prob (q of the drawn token; greedy rows: softmax of the draft logits at T=1,
+whose argmax they take). The draft's own numbers decide the chain's length before the target sees it,
+so verification stays exact; an unsure draft stops paying draft forwards for tokens it would lose.
+
 New draft weights (`apply_draft_update`, between rounds) cut every sequence's draft KV to zero: the next
 round's catch-up forward recomputes it from the whole sequence under the new weights.
 """
@@ -33,8 +38,11 @@ DRAFT_STREAM = 2
 class DraftModelSpeculator(Speculator):
     name = "draft"
 
-    def __init__(self, model: Decoder, num_slots: int, max_len: int):
+    def __init__(self, model: Decoder, num_slots: int, max_len: int, stop_prob: float = 0.0):
+        if not 0.0 <= stop_prob < 1.0:
+            raise ValueError(f"stop_prob must be in [0, 1), got {stop_prob!r}")
         self.model = model
+        self.stop_prob = stop_prob
         self.runner = ModelRunner(model, num_slots=num_slots, max_len=max_len)
         self.slot: dict[int, int] = {}  # id(seq) -> draft slot
         self.cached: dict[int, int] = {}  # id(seq) -> tokens of the sequence in the draft cache
@@ -74,7 +82,8 @@ class DraftModelSpeculator(Speculator):
     def propose(self, seqs: list[Sequence], ks: list[int]) -> Proposal:
         """Draft ks[i] tokens for seqs[i]. A restricted head is sampled over its own rows (the law is
         the same as over the vocabulary with -inf outside the head, at 1/6 of the width for the
-        default draft), and q is reported on that support."""
+        default draft), and q is reported on that support. A chain ends early after a token drawn
+        with probability below `stop_prob`."""
         tokens: list[list[int]] = [[] for _ in seqs]
         k_max = max(ks, default=0)
         head_ids = self.model.head_token_ids
@@ -97,6 +106,8 @@ class DraftModelSpeculator(Speculator):
                 rows = [r for r in range(len(sub)) if k_sub[r] > step]
                 q = target_probs(logits[rows], temperature[rows], top_k[rows], top_p[rows])
                 drawn = draw_tokens(q, greedy[rows], [gens[r] for r in rows])
+                if self.stop_prob > 0.0 and step + 1 < k_max:
+                    self._stop_unsure(k_sub, rows, step, logits[rows], q, drawn, greedy[rows])
                 if head_ids is not None:
                     drawn = head_ids[drawn]
                 drawn = drawn.tolist()
@@ -114,6 +125,15 @@ class DraftModelSpeculator(Speculator):
         else:
             draft = SparseDraft(head_ids.expand(len(seqs), q_all.shape[1], width), q_all)
         return Proposal(tokens=tokens, draft=draft)
+
+    def _stop_unsure(self, k_sub: list[int], rows: list[int], step: int, logits: torch.Tensor, q: torch.Tensor,
+                     drawn: torch.Tensor, greedy: torch.Tensor) -> None:
+        """End the chains (k_sub[r] = step + 1) of rows whose drawn token had probability < stop_prob."""
+        conf = q.gather(1, drawn[:, None])[:, 0]
+        if bool(greedy.any()):
+            conf = torch.where(greedy, torch.softmax(logits.float(), -1).amax(-1), conf)
+        for j in (conf < self.stop_prob).nonzero()[:, 0].tolist():
+            k_sub[rows[j]] = step + 1
 
     def on_verified(self, seqs: list[Sequence], accepted: list[int]) -> None:
         """Roll the draft cache back to the longest prefix that matches the sequence, minus its last
