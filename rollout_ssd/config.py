@@ -35,8 +35,9 @@ class SpecConfig:
     "suffix" = suffix/n-gram matching over the prompt, the sequence and its siblings, "random").
     stop_prob (SD, neural draft): a sequence's chain ends before k tokens once the draft drew a token
     it gave probability below stop_prob (greedy: its T=1 softmax); 0 always drafts k. Lossless for
-    any value (the draft alone decides the length); 0.3 made K=3..8 alike on the default pair
-    (bench/RESULTS.md), so a larger k costs little when the draft is unsure.
+    any value (the draft alone decides the length). On the default pair 0.3 changed the best K (3)
+    within noise and kept K=5 from losing (bench/RESULTS.md: 0.86x -> 1.13x AR greedy on held-out
+    templates), so a larger k costs little when the draft is unsure.
     SSD knobs, by name (see `rollout_ssd.ssd.config.SSDConfig` for their meaning): fanout (None =
     Theorem 12 from live estimates, or a manual F_0..F_k), budget, C (Saguaro, or "adaptive"),
     backup ("neural" | "suffix" | "random"), strategy_rule (pick SSD/SD/suffix/AR per batch by

@@ -130,8 +130,8 @@ class DraftModelSpeculator(Speculator):
                      drawn: torch.Tensor, greedy: torch.Tensor) -> None:
         """End the chains (k_sub[r] = step + 1) of rows whose drawn token had probability < stop_prob."""
         conf = q.gather(1, drawn[:, None])[:, 0]
-        if bool(greedy.any()):
-            conf = torch.where(greedy, torch.softmax(logits.float(), -1).amax(-1), conf)
+        if bool(greedy.any()):  # q is a point mass there: its confidence is the T=1 softmax
+            conf[greedy] = torch.softmax(logits[greedy].float(), -1).amax(-1)
         for j in (conf < self.stop_prob).nonzero()[:, 0].tolist():
             k_sub[rows[j]] = step + 1
 
