@@ -178,15 +178,16 @@ def test_sd_law_matches_target(tmp_path, speculator, temperature, top_p, top_k):
 
 def test_stop_prob_shortens_chains(pair):
     """stop_prob ends a chain after an unsure draw: at 0.99 nearly every chain of this random draft stops
-    after its first token, at 0 every chain has K tokens; bad values are refused by name."""
+    after its first token, at 0 every chain has K tokens, sampled and greedy; bad values are refused by name."""
     target, draft, _ = pair
-    params = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True, seed=3)
-    per_round = {}
-    for stop in (0.0, 0.99):
-        eng = _engine(target, draft, "sd", k=4, stop_prob=stop)
-        eng.sample(PROMPTS, params)
-        per_round[stop] = eng.metrics()["spec/proposed_per_round"]
-    assert per_round[0.0] > 3.0 and per_round[0.99] < 1.5, per_round  # K=4 (last rounds: the budget)
+    for temperature in (1.0, 0.0):  # greedy rows judge by the draft's T=1 softmax, not their point mass
+        params = SamplingParams(temperature=temperature, max_new_tokens=16, ignore_eos=True, seed=3)
+        per_round = {}
+        for stop in (0.0, 0.99):
+            eng = _engine(target, draft, "sd", k=4, stop_prob=stop)
+            eng.sample(PROMPTS, params)
+            per_round[stop] = eng.metrics()["spec/proposed_per_round"]
+        assert per_round[0.0] > 3.0 and per_round[0.99] < 1.5, (temperature, per_round)  # K=4 (last rounds: budget)
     for bad in (-0.1, 1.0, "0.3", True):
         with pytest.raises(ValueError, match="stop_prob"):
             SpecConfig(method="sd", stop_prob=bad)
