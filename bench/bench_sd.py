@@ -18,7 +18,15 @@ import argparse
 import time
 
 import torch
-from common import PROMPT_SETS, add_repo_to_path, bench_prompts, load_default_pair, machine_note, print_json_line, print_table
+from common import (
+    add_prompt_set_arg,
+    add_repo_to_path,
+    bench_prompts,
+    load_default_pair,
+    machine_note,
+    print_json_line,
+    print_table,
+)
 
 add_repo_to_path()
 
@@ -36,9 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--no-hf", action="store_true")
-    p.add_argument("--prompt-set", choices=PROMPT_SETS, default="templates",
-                   help="templates: held-out templates (new kinds); unseen: unseen prompts of the training "
-                        "templates (common.bench_prompts)")
+    add_prompt_set_arg(p)
     args = p.parse_args(argv)
     if args.quick:
         args.ks, args.batches, args.prompts, args.new_tokens = "3", "1", 2, 24

@@ -24,7 +24,15 @@ import argparse
 import time
 
 import torch
-from common import PROMPT_SETS, add_repo_to_path, bench_prompts, load_default_pair, machine_note, print_json_line, print_table
+from common import (
+    add_prompt_set_arg,
+    add_repo_to_path,
+    bench_prompts,
+    load_default_pair,
+    machine_note,
+    print_json_line,
+    print_table,
+)
 
 add_repo_to_path()
 
@@ -42,9 +50,7 @@ def parse_args(argv=None):
     p.add_argument("--budgets", default="4,8,16,32", help="fanout part: cache budgets B")
     p.add_argument("--cs", default="1.0,0.8,0.6,0.4,adaptive", help="C part: Saguaro constants")
     p.add_argument("--sweep-prompts", type=int, default=4, help="fanout/C parts: prompts, run one at a time")
-    p.add_argument("--prompt-set", choices=PROMPT_SETS, default="templates",
-                   help="templates: held-out templates (new kinds); unseen: unseen prompts of the training "
-                        "templates (common.bench_prompts)")
+    add_prompt_set_arg(p)
     args = p.parse_args(argv)
     if args.quick:
         args.batches, args.temperatures, args.new_tokens, args.parts = "1", "0", 32, "main"

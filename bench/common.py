@@ -43,6 +43,13 @@ def load_default_pair(draft: str = "default"):
 PROMPT_SETS = ("templates", "unseen")
 
 
+def add_prompt_set_arg(parser) -> None:
+    """`--prompt-set` (default "templates"), read by `bench_prompts`."""
+    parser.add_argument("--prompt-set", choices=PROMPT_SETS, default="templates",
+                        help="templates: held-out templates (new kinds); unseen: unseen prompts of the "
+                             "training templates (common.bench_prompts)")
+
+
 def bench_prompts(tokenizer, prompt_set: str, count: int) -> list[list[int]]:
     """The first `count` prompts of a benchmark prompt set, as chat-template token ids:
 

@@ -22,13 +22,11 @@ add_repo_to_path()
 
 from rollout_ssd import distill  # noqa: E402
 
-SETS = PROMPT_SETS
-
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--draft", default="default", help='"default" or a draft checkpoint directory')
-    p.add_argument("--sets", default=",".join(SETS), help=f"comma-separated, from {SETS}")
+    p.add_argument("--sets", default=",".join(PROMPT_SETS), help=f"comma-separated, from {PROMPT_SETS}")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompts", type=int, default=32, help="the first N prompts of each set")
@@ -37,9 +35,9 @@ def parse_args(argv=None):
     if args.quick:
         args.prompts, args.max_new_tokens = 4, 16
     args.sets = [s for s in args.sets.split(",") if s]
-    unknown = [s for s in args.sets if s not in SETS]
+    unknown = [s for s in args.sets if s not in PROMPT_SETS]
     if unknown or not args.sets:
-        p.error(f"--sets takes names from {SETS}, got {unknown or args.sets}")
+        p.error(f"--sets takes names from {PROMPT_SETS}, got {unknown or args.sets}")
     return args
 
 

@@ -16,7 +16,15 @@ import time
 from collections import defaultdict
 
 import torch
-from common import PROMPT_SETS, add_repo_to_path, bench_prompts, load_default_pair, machine_note, print_json_line, print_table
+from common import (
+    add_prompt_set_arg,
+    add_repo_to_path,
+    bench_prompts,
+    load_default_pair,
+    machine_note,
+    print_json_line,
+    print_table,
+)
 
 add_repo_to_path()
 
@@ -28,7 +36,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--prompt-set", choices=PROMPT_SETS, default="templates", help="common.bench_prompts")
+    add_prompt_set_arg(p)
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--op-steps", type=int, default=20, help="target decode steps under torch.profiler")
