@@ -371,11 +371,14 @@ class RolloutEngine:
         self.stats.add_time(time.perf_counter() - start, produced)
 
     def _prefill(self, seqs: list[Sequence]) -> int:
+        t0 = time.perf_counter()
         self.strategy.before_prefill(seqs)
         logits = self.runner.prefill([s.slot for s in seqs], [s.prompt_token_ids for s in seqs])
         self.strategy.on_admit(seqs)
         tokens, logprobs = sample_rows(seqs, logits)
-        return sum(s.append([t], [lp]) for s, t, lp in zip(seqs, tokens, logprobs))
+        produced = sum(s.append([t], [lp]) for s, t, lp in zip(seqs, tokens, logprobs))
+        self.stats.add_prefill(time.perf_counter() - t0, produced)
+        return produced
 
     def _retire(self, running: list[Sequence], bar) -> list[Sequence]:
         still = []

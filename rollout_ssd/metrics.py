@@ -5,6 +5,11 @@ draft tokens plus the rejected one, if any (it estimates THEORY's per-token a);
 `spec/accepted_per_proposed` = accepted / all proposed; `spec/accept_length` = tokens emitted per
 verification round (accepted + bonus, before truncation at a stop); `spec/accept_rate_pos_{i}` =
 accepted / judged at draft position i (1-based).
+
+Time: `rollout/tokens_per_s` = all tokens / wall time of sample() (prefill included);
+`rollout/prefill_seconds` = the part of it spent admitting and prefilling; `rollout/decode_tokens_per_s`
+= tokens after each rollout's first / the rest of the time: the decode speed that speculation changes
+(and that `ssd/predicted_speedup` predicts, relative to AR's).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from dataclasses import dataclass, field
 class EngineMetrics:
     seconds: float = 0.0
     tokens: int = 0
+    prefill_seconds: float = 0.0  # within `seconds`: prefill forwards (and their first tokens)
+    prefill_tokens: int = 0
     rounds: int = 0  # sequence-rounds: one per running sequence per decode round
     round_tokens: int = 0
     spec_rounds: int = 0  # sequence-rounds that verified a proposal (possibly empty)
@@ -42,6 +49,11 @@ class EngineMetrics:
     def add_time(self, seconds: float, tokens: int) -> None:
         self.seconds += seconds
         self.tokens += tokens
+
+    def add_prefill(self, seconds: float, tokens: int) -> None:
+        """Part of a later add_time: prefill time and the first tokens it sampled."""
+        self.prefill_seconds += seconds
+        self.prefill_tokens += tokens
 
     def add_rounds(self, rows: int, tokens: int) -> None:
         self.rounds += rows
@@ -90,7 +102,11 @@ class EngineMetrics:
             "rollout/seconds": self.seconds,
             "rollout/tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0,
             "rollout/tokens_per_round": self.round_tokens / self.rounds if self.rounds else 0.0,
+            "rollout/prefill_seconds": self.prefill_seconds,
         }
+        decode_seconds = self.seconds - self.prefill_seconds
+        out["rollout/decode_tokens_per_s"] = (
+            (self.tokens - self.prefill_tokens) / decode_seconds if decode_seconds > 0 else 0.0)
         if self.syncs:
             out.update({"sync/bytes": self.sync_bytes, "sync/seconds": self.sync_seconds, "sync/count": self.syncs})
         if self.ssd_rounds or self.ssd_strategy_rounds:

@@ -204,6 +204,10 @@ def test_sd_metrics_names(pair):
     assert 0.0 <= m["spec/accept_rate"] <= 1.0
     assert m["spec/accepted_per_proposed"] <= m["spec/accept_rate"] + 1e-12
     assert 1.0 <= m["spec/accept_length"] <= 4.0
+    # decode tok/s leaves out the prefill (its time, and the first token of each rollout it sampled)
+    assert 0 < m["rollout/prefill_seconds"] < m["rollout/seconds"]
+    assert m["rollout/decode_tokens_per_s"] == pytest.approx(
+        (m["rollout/tokens"] - 2) / (m["rollout/seconds"] - m["rollout/prefill_seconds"]))
     eng.metrics(reset=True)
     assert "spec/accept_rate" not in eng.metrics()
 

@@ -25,6 +25,7 @@ from rollout_ssd.ssd.draft_server import DraftServer
 from rollout_ssd.ssd.messages import HIT, SYNC, AdmitRow, AdmitSequences, BuildCache, BuildRow, VerdictRow, Verdicts
 from rollout_ssd.ssd.rng import draft_key, draft_uniform_reference, draft_uniforms
 from rollout_ssd.ssd.saguaro import saguaro_probs, top_f_mask
+from rollout_ssd.ssd.strategy import StrategyConfig, StrategyRule
 from rollout_ssd.ssd.tree import SaguaroRule
 from tests.test_ssd_helpers import ar_engine, ssd_engine, tiny_pair
 
@@ -75,6 +76,25 @@ def test_greedy_ssd_planner_and_rule_equal_ar(pair48):
     assert [b.token_ids for b in out] == [a.token_ids for a in ar]
     m = engine.metrics()
     assert sum(m["ssd/fanout"]) >= 4 and m["ssd/strategy"] in m["ssd/scores"]
+    engine.close()
+
+
+def test_ar_rounds_time_decode_not_verify(pair48):
+    """An AR round is a one-token step: its time is AR's decode time, never a K+1-token verify's (when AR
+    rounds fed the verify estimate, it sank towards the decode time and SD/SSD scored too high)."""
+    target, draft = pair48
+    engine = ssd_engine(target, draft, SSDConfig(k=3, strategy_rule=True), 3)
+    ssd = engine.strategy
+    ssd.rule = StrategyRule(StrategyConfig(candidates=ssd.rule.config.candidates, fixed="ar"))
+    seen = []
+    observe = ssd.estimates.observe_time
+    ssd.estimates.observe_time = lambda name, seconds, batch: (seen.append((ssd.strategy, name)),
+                                                              observe(name, seconds, batch))
+    engine.sample(PROMPTS[:3], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
+    verify = [s for s, name in seen if name == "verify"]
+    decode = [s for s, name in seen if name == "decode"]
+    assert verify == ["ssd+neural"]  # the first round (nothing measured yet) speculates, then AR only
+    assert decode.count("ar") >= 6  # every AR round times a decode step
     engine.close()
 
 

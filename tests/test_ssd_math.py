@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import minimize
 
+from rollout_ssd.ssd.config import SSDConfig
 from rollout_ssd.ssd.fanout import (
     FanoutConfig,
     FanoutPlanner,
@@ -404,6 +406,24 @@ def test_rule_scores_match_theorem7_at_batch_one():
     assert StrategyRule(StrategyConfig(fixed="ar")).decide(inp).chosen == "ar"
     sticky = StrategyRule(StrategyConfig(hysteresis=10.0)).decide(inp, current="sd")
     assert sticky.chosen == "sd"
+    # the hit path's transfer overhead T_o adds to its time: max(1, T_p) + T_o
+    slow = dataclasses.replace(inp, overhead_seconds=0.01)
+    assert strategy_scores(slow)["ssd+neural"] == pytest.approx(ssd_speedup(0.7, 4.0, 3.5, 1.5, 0.5, 0.5) / tv)
+    assert ssd_speedup(0.7, 4.0, 3.5, 1.5, 0.5, 0.5) == pytest.approx((0.7 * 4 + 0.3 * 3.5) / (0.7 * 2.0 + 0.3 * 1.5))
+
+
+def test_rule_switches_only_after_winning_in_a_row():
+    inp = StrategyInputs(p_hit=0.7, tokens={"hit": 4.0, "neural": 3.5, "suffix": 2.0, "random": 1.0},
+                         draft_seconds={"neural": 0.01, "suffix": 0.001, "random": 0.0},
+                         primary_seconds=0.03, verify_seconds=0.02, decode_seconds=0.01, batch_size=1, k=5)
+    best = max(strategy_scores(inp), key=strategy_scores(inp).get)
+    assert best != "ar"
+    rule = StrategyRule(StrategyConfig(switch_after=3))
+    assert [rule.decide(inp, current="ar").chosen for _ in range(3)] == ["ar", "ar", best]
+    slow_ar = dataclasses.replace(inp, decode_seconds=0.001)  # AR wins one decision: the count restarts
+    assert [rule.decide(x, current="ar").chosen for x in (inp, inp, slow_ar, inp, inp, inp)] == \
+        ["ar", "ar", "ar", "ar", "ar", best]
+    assert StrategyRule(StrategyConfig(switch_after=3)).decide(inp).chosen == best  # no current: at once
 
 
 def test_batch_coupling_penalises_slow_backup():
@@ -419,7 +439,7 @@ def test_live_estimates():
     assert est.p_hit == pytest.approx(0.6)
     with pytest.raises(ValueError):
         est.inputs(8)  # no verify time yet
-    est.observe_time("verify", 0.02)
+    est.observe_time("verify", 0.02, 8)
     prior_inputs = est.inputs(8)
     assert prior_inputs.draft_seconds["neural"] == pytest.approx(0.01)
     prior_a = {"neural": 0.6, "suffix": 0.3, "random": 0.0}
@@ -429,8 +449,8 @@ def test_live_estimates():
         est.observe_cache(hits=6, misses=2)
         est.observe_round("hit", sequences=6, accepted=18, judged=24, emitted=24)
         est.observe_round("random", sequences=2, accepted=0, judged=2, emitted=2)
-        est.observe_time("primary", 0.015)
-        est.observe_time("random", 0.0005)
+        est.observe_time("primary", 0.015, 8)
+        est.observe_time("random", 0.0005, 8)
     assert est.p_hit == pytest.approx(0.75, abs=1e-6)
     assert est.accept_rate("neural") == pytest.approx(0.75, abs=1e-6)
     assert est.accept_rate("random") == pytest.approx(0.0, abs=1e-6)
@@ -447,11 +467,52 @@ def test_live_estimates():
         est.observe_round("hit", 1, 3, 2, 1)
 
 
+def test_live_time_estimates_forget_a_slow_first_measurement():
+    """Times are normalised weighted means (a slow warm-up round does not stay at full weight) and AR's
+    decode time is the median of its last few measurements (one outlier among them is ignored)."""
+    est = LiveEstimates(EstimatesConfig(k=3, halflife_rounds=50.0))
+    est.observe_time("verify", 1.0, 4)  # cold first round
+    for _ in range(9):
+        est.observe_time("verify", 0.1, 4)
+    d = 0.5 ** (1 / 50)
+    weights = [d**i for i in range(10)]  # newest first; the slow one is the oldest
+    expected = (0.1 * sum(weights[:9]) + 1.0 * weights[9]) / sum(weights)
+    assert est.seconds("verify", 4) == pytest.approx(expected) and est.seconds("verify", 4) < 0.2
+    for t in (0.5, 0.07, 0.08, 0.075):
+        est.observe_time("decode", t, 4)
+    assert est.seconds("decode", 4) == pytest.approx(0.0775)  # median of 4: (0.075 + 0.08) / 2
+    for t in (0.07, 0.07, 0.07, 0.07, 0.07):  # the window keeps the last LiveEstimates.DECODE_WINDOW
+        est.observe_time("decode", t, 4)
+    assert est.seconds("decode", 4) == pytest.approx(0.07)
+
+
+def test_live_times_depend_on_the_batch_size():
+    """A time seen at one batch size is scaled to another by (b + B0) / (b0 + B0); with two or more
+    sizes seen, by the fitted line alpha + beta * b (alpha, beta >= 0); a size seen is its own estimate."""
+    est = LiveEstimates(EstimatesConfig(k=3))
+    est.observe_time("decode", 0.28, 16)
+    b0 = 4.0  # _BatchTimes.BATCH_PRIOR
+    assert est.seconds("decode", 1) == pytest.approx(0.28 * (1 + b0) / (16 + b0))
+    for b, t in ((16, 0.28), (4, 0.10), (4, 0.10)):
+        est.observe_time("decode", t, b)
+    beta = (0.28 - 0.10) / 12
+    assert est.seconds("decode", 8) == pytest.approx(0.10 + beta * 4)  # on the line through (4, .1), (16, .28)
+    assert est.seconds("decode", 1) == pytest.approx(0.10 - beta * 3)
+    assert est.seconds("decode", 16) == pytest.approx(0.28) and est.seconds("decode", 4) == pytest.approx(0.10)
+    fresh = LiveEstimates(EstimatesConfig(k=3))  # no AR time known: verify times are kept as they are
+    fresh.observe_time("verify", 0.5, 2)
+    fresh.observe_time("verify", 0.1, 10)  # falling with b: slope clamped at 0, the weighted mean
+    assert fresh.seconds("verify", 6) == pytest.approx(0.3) and fresh.seconds("verify", 30) == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="batch"):
+        est.observe_time("verify", 0.1, 0)
+
+
 @pytest.mark.parametrize("make", [
     lambda: StrategyConfig(candidates=("ssd+eagle",)),
     lambda: StrategyConfig(candidates=()),
     lambda: StrategyConfig(fixed="ar", candidates=("sd",)),
     lambda: StrategyConfig(hysteresis=-1.0),
+    lambda: StrategyConfig(switch_after=0),
     lambda: EstimatesConfig(k=0),
     lambda: EstimatesConfig(k=4, prior_accept={"neural": 0.5}),
     lambda: EstimatesConfig(k=4, halflife_rounds=0.0),
@@ -462,3 +523,10 @@ def test_live_estimates():
 def test_strategy_configs_reject_bad_values(make):
     with pytest.raises(ValueError):
         make()
+
+
+@pytest.mark.parametrize("field,value", [("hysteresis", -0.1), ("hysteresis", math.nan), ("hysteresis", "0.05"),
+                                         ("hysteresis", True), ("switch_after", 0), ("switch_after", 2.0)])
+def test_ssd_config_rejects_bad_rule_settings(field, value):
+    with pytest.raises(ValueError, match=rf"SSDConfig\.{field}"):
+        SSDConfig(**{field: value})

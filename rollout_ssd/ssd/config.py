@@ -20,7 +20,10 @@ class SSDConfig:
     "adaptive" (per-context C from the draft's entropy, `adaptive_c`, floor c_min).
     backup: what covers a cache miss: "neural" (the draft on demand), "suffix" or "random" (a fast
     speculator passed to SSDDecode). strategy_rule: pick per batch among ssd+neural, ssd+<fast>, sd,
-    suffix, ar from live estimates (`StrategyRule`); off = always "ssd+<backup>".
+    suffix, ar from live estimates (`StrategyRule`); off = always "ssd+<backup>". hysteresis: the rule
+    keeps its current strategy unless another scores this fraction higher (two strategies within
+    the estimates' noise would otherwise swap back and forth, each swap costing a cold round), and
+    only once it has scored higher on switch_after decisions in a row (one slow round cannot move it).
     worker: run the draft in its own process (its own core on a CPU, pinned when pin_cores). worker_timeout:
     seconds a reply may take before the worker is declared dead; startup_timeout: the same for start-up.
     fallback: what finishes the rollouts after a worker failure ("sd": in-process neural draft, "ar").
@@ -35,6 +38,8 @@ class SSDConfig:
     c_min: float = 0.3
     backup: str = "neural"
     strategy_rule: bool = False
+    hysteresis: float = 0.05
+    switch_after: int = 2
     worker: bool = False
     worker_timeout: float = 30.0
     startup_timeout: float = 180.0
@@ -66,6 +71,11 @@ class SSDConfig:
             raise ValueError(f"SSDConfig.c_min must be in (0, 1], got {self.c_min!r}")
         if self.backup not in BACKUPS:
             raise ValueError(f"SSDConfig.backup must be one of {BACKUPS}, got {self.backup!r}")
+        if isinstance(self.hysteresis, bool) or not isinstance(self.hysteresis, (int, float)) \
+                or not 0.0 <= self.hysteresis < math.inf:
+            raise ValueError(f"SSDConfig.hysteresis must be a number >= 0, got {self.hysteresis!r}")
+        if not isinstance(self.switch_after, int) or isinstance(self.switch_after, bool) or self.switch_after < 1:
+            raise ValueError(f"SSDConfig.switch_after must be an integer >= 1, got {self.switch_after!r}")
         for name in ("worker_timeout", "startup_timeout"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):

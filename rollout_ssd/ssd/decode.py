@@ -99,9 +99,11 @@ class _Round:
     warm: list[bool] = field(default_factory=list)  # a cache had been built for the sequence
     cached: list[int] = field(default_factory=list)  # candidates cached at the realised depth
     backup_seconds: float = 0.0
+    wait_seconds: float = 0.0  # the target's wait for the draft side's chains, request to validated reply
 
 
-CALIBRATE_EVERY = 128  # rounds between AR decode-time calibrations
+CALIBRATE_EVERY = 128  # speculating rounds between AR decode-time calibrations, after the second
+FIRST_CALIBRATION_GAP = 16  # rounds between the first and the second (each costs one AR step of the batch)
 
 
 class SSDDecode(DecodeStrategy):
@@ -113,7 +115,7 @@ class SSDDecode(DecodeStrategy):
         if config.backup != "neural" and backup is None:
             raise ValueError(f"SSDConfig.backup={config.backup!r} needs its speculator (backup=...)")
         self.runner = runner
-        self._decode_calibrated, self._rounds_since_calibration = False, 0
+        self._calibrations, self._rounds_since_calibration = 0, 0
         self.draft_model = draft_model
         self.config = config
         self.k = config.k
@@ -132,8 +134,11 @@ class SSDDecode(DecodeStrategy):
             if config.backup == "suffix":
                 candidates.insert(3, "suffix")
         self.rule = StrategyRule(StrategyConfig(candidates=tuple(candidates),
-                                                fixed=None if config.strategy_rule else self.default_strategy))
+                                                fixed=None if config.strategy_rule else self.default_strategy,
+                                                hysteresis=config.hysteresis,
+                                                switch_after=config.switch_after))
         self.strategy = self.default_strategy
+        self._decided = False
         self.tracks: dict[int, _Track] = {}  # id(seq) -> track
         self.live: dict[int, Sequence] = {}
         self._next_id = 0
@@ -141,6 +146,7 @@ class SSDDecode(DecodeStrategy):
         self._warned = False
         self._restarts = 0
         self._prev_verify: Optional[float] = None
+        self._prev_batch = 1
         self._prev_budget = 0
         self.client: Optional[DraftClient] = None
         self.draft_version = 0
@@ -306,29 +312,36 @@ class SSDDecode(DecodeStrategy):
                 self._shared_checksums[n] = checksum(new[n])
 
     # ------------------------------------------------------------------ one round
-    def _calibrate_decode(self, running: list[Sequence]) -> None:
+    def _calibrate_decode(self, running: list[Sequence]) -> float:
         """Time one plain AR decode forward of this batch (then undo it), so the strategy rule compares
         against AR's real step time rather than a prior. On a CPU a verify of K+1 tokens costs more than
         one decode step (THEORY.md §3), and without this the rule (and ssd/predicted_speedup) would
-        assume they cost the same. Done on the first round and every CALIBRATE_EVERY rounds after."""
-        if self._rounds_since_calibration < CALIBRATE_EVERY and self._decode_calibrated:
+        assume they cost the same. Done on the first speculating round, FIRST_CALIBRATION_GAP rounds later,
+        then every CALIBRATE_EVERY (AR rounds are measured as they run, `_observe`; the estimate is the
+        median of the last few, so one slow step does not set it), between the draft side's
+        answer and the chains it is sent: the draft side is idle then, as it is while AR runs, so the
+        step is not slowed by a cache build competing for memory bandwidth. Returns the seconds spent."""
+        gap = FIRST_CALIBRATION_GAP if self._calibrations == 1 else CALIBRATE_EVERY
+        if self._calibrations and self._rounds_since_calibration < gap:
             self._rounds_since_calibration += 1
-            return
+            return 0.0
         slots = [s.slot for s in running]
         t0 = time.perf_counter()
         self.runner.extend(slots, [[s.last_token] for s in running], last_only=True)
-        self.estimates.observe_time("decode", time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.estimates.observe_time("decode", seconds, len(running))
         for seq in running:
             self.runner.rollback(seq.slot, seq.num_tokens - 1)
-        self._decode_calibrated, self._rounds_since_calibration = True, 0
+        self._calibrations, self._rounds_since_calibration = self._calibrations + 1, 0
+        return seconds
 
     def step(self, running: list[Sequence]) -> int:
-        self._calibrate_decode(running)
         t0 = time.perf_counter()
         plan = self.planner.plan()
         strategy = self._choose(len(running))
         ks = [max(0, min(self.k, s.budget - 1)) for s in running]
         rnd = self._propose(running, ks, strategy, plan)
+        calibration = self._calibrate_decode(running) if strategy != "ar" else 0.0
         told = False
         if rnd.reply is not None and self.client is not None:  # the draft side that answered hears the chains
             build = strategy.startswith("ssd+")
@@ -354,7 +367,7 @@ class SSDDecode(DecodeStrategy):
         t4 = time.perf_counter()
         self.stats.add_spec_round(
             proposed=[len(c) for c in rnd.chains], accepted=accepted, rejected=result.rejected.tolist(),
-            emitted=emitted, draft_seconds=(t2 - t0) + (t4 - t3), verify_seconds=t3 - t2,
+            emitted=emitted, draft_seconds=(t2 - t0 - calibration) + (t4 - t3), verify_seconds=t3 - t2,
         )
         self._observe(strategy, plan, rnd, ks, accepted, result.rejected.tolist(), t3 - t2)
         return emitted
@@ -366,7 +379,9 @@ class SSDDecode(DecodeStrategy):
             inputs = self.estimates.inputs(batch)
         except ValueError:  # nothing measured yet
             return self.default_strategy
-        decision = self.rule.decide(inputs, current=self.strategy)
+        # the first decision (the strategy so far was a default, not a choice) is taken at once
+        decision = self.rule.decide(inputs, current=self.strategy if self._decided else None)
+        self._decided = True
         if decision.chosen != self.strategy:
             log.info("SSD strategy %s -> %s (b=%d, p_hit=%.3f, scores %s, b*=%.3g)", self.strategy, decision.chosen,
                      batch, inputs.p_hit, {k: round(v, 2) for k, v in decision.scores.items()}, decision.b_star)
@@ -398,10 +413,12 @@ class SSDDecode(DecodeStrategy):
                                            tuple(seq.all_token_ids[tr.known:])))
                 tr.known = seq.num_tokens
             try:
+                t0 = time.perf_counter()
                 reply = self.client.request(Verdicts(tuple(rows), plan.fanout))
                 if not isinstance(reply, ChainReply):
                     raise WorkerFailure(f"expected a ChainReply, got {type(reply).__name__}")
                 self._accept_reply(reply, rows, ks, rnd)
+                rnd.wait_seconds = time.perf_counter() - t0
             except WorkerFailure as err:  # chains not received: empty proposals (AR steps) this round
                 self._fail(err)
                 rnd = _Round([[] for _ in range(n)], [PointDraft() for _ in range(n)], ["none"] * n,
@@ -441,10 +458,12 @@ class SSDDecode(DecodeStrategy):
     # ------------------------------------------------------------------ telemetry
     def _observe(self, strategy: str, plan: FanoutPlan, rnd: _Round, ks: list[int], accepted: list[int],
                  rejected: list[bool], verify_seconds: float) -> None:
-        est, planner = self.estimates, self.planner
-        est.observe_time("verify", verify_seconds)
-        if strategy == "ar":
-            est.observe_time("decode", verify_seconds)
+        est, planner, b = self.estimates, self.planner, len(ks)
+        if strategy == "ar":  # a one-token step: AR's time, not a K+1-token verify's (and a calibration)
+            est.observe_time("decode", verify_seconds, b)
+            self._calibrations, self._rounds_since_calibration = self._calibrations + 1, 0
+        else:
+            est.observe_time("verify", verify_seconds, b)
         groups: dict[str, list[int]] = {}
         for i, path in enumerate(rnd.paths):
             groups.setdefault(path, []).append(i)
@@ -472,17 +491,23 @@ class SSDDecode(DecodeStrategy):
         reply = rnd.reply
         if reply is not None:
             if reply.build_seconds > 0 and self._prev_verify:
-                est.observe_time("primary", reply.build_seconds)
+                est.observe_time("primary", reply.build_seconds, self._prev_batch)
                 planner.observe_timing(reply.build_seconds, max(self._prev_budget, 1), self._prev_verify,
                                        min(reply.glue_seconds, reply.build_seconds))
                 state["T_p"] = reply.build_seconds / self._prev_verify
+            # draft-side times are the target's waits (strategy.py): on-demand drafting, or the cache's transfer
             if any(p == "neural" for p in rnd.paths):
-                est.observe_time("neural", reply.backup_seconds)
-                state["T_b"] = reply.backup_seconds / verify_seconds
+                est.observe_time("neural", rnd.wait_seconds, b)
+                state["T_b"] = rnd.wait_seconds / verify_seconds
+            elif asked and all(rnd.paths[i] == "hit" for i in asked):
+                excess = max(0.0, reply.build_seconds - (self._prev_verify or 0.0))  # counted in T_p
+                overhead = max(0.0, rnd.wait_seconds - excess)
+                est.observe_time("overhead", overhead, b)
+                state["T_o"] = overhead / verify_seconds
         if rnd.backup_seconds and self.backup is not None and self.backup.name in ("suffix", "random"):
-            est.observe_time(self.backup.name, rnd.backup_seconds)
+            est.observe_time(self.backup.name, rnd.backup_seconds, b)
             state["T_b"] = rnd.backup_seconds / verify_seconds
-        self._prev_verify = verify_seconds
+        self._prev_verify, self._prev_batch = verify_seconds, b
         self._prev_budget = plan.budget if strategy.startswith("ssd+") else 0
         state["strategy"] = strategy
         self.stats.set_ssd_state(**state)

@@ -3,14 +3,14 @@
 Time is in verify units (one target verify forward of the batch = 1). Per sequence and round:
 
     E(a, K) = (1 - a^(K+1)) / (1 - a)                         tokens per round at acceptance a
-    S_SSD   = [p·E_hit + (1-p)·E_miss] / [p·max(1, T_p) + (1-p)·(1 + T_b)]   (Theorem 7)
+    S_SSD   = [p·E_hit + (1-p)·E_miss] / [p·(max(1, T_p) + T_o) + (1-p)·(1 + T_b)]   (Theorem 7, T_o = 0)
     S_SD    = E_SD / (1 + T_SD)
 
 A batch of b sequences hits entirely with probability p^b (hits are independent, Corollary 16); one
 miss makes the whole batch wait for the backup. `StrategyRule` scores every strategy as batch tokens per
 second with
 
-    ssd+X:  b·[p·E_hit + (1-p)·E_X] / ( p^b·max(1, T_p) + (1 - p^b)·(1 + T_X) ) / t_verify
+    ssd+X:  b·[p·E_hit + (1-p)·E_X] / ( p^b·(max(1, T_p) + T_o) + (1 - p^b)·(1 + T_X) ) / t_verify
     sd, suffix (plain speculation with that speculator):  b·E / (1 + T_draft) / t_verify
     ar:     b / t_decode
 
@@ -18,6 +18,12 @@ which is Theorem 7 at b = 1 and Theorem 17's two expressions when T_p <= 1 and t
 so between "ssd+neural" and one zero-cost fast backup the rule picks neural exactly when b < b*.
 AR's round is one decode step, not a K+1-token verify: on a CPU these differ, hence t_decode
 (THEORY: tokens/s over AR = S × t_decode / t_verify).
+
+Every draft-side time is what the TARGET waits, measured on the target side: T_X (and T_SD) is the wait
+for chains drafted on demand, request to validated reply, so it includes the transfer of the chains and
+their q; T_o is the wait on a round whose chains all came from the cache, less any part of the cache
+build that outlasted the verify (T_p already counts that): the transfer cost the theorem leaves out
+(T_o = 0). Left out, they made SD and SSD look as fast as AR at batch 16 on a CPU when they were 0.65x.
 
 `LiveEstimates` turns per-round counters into these inputs with exponentially weighted counts.
 """
@@ -47,9 +53,9 @@ def tokens_from_acceptance(accept: Mapping[str, float], K: int) -> dict[str, flo
     return {"hit": tokens["neural"], **tokens}
 
 
-def ssd_speedup(p_hit: float, E_hit: float, E_miss: float, T_p: float, T_b: float) -> float:
-    """Theorem 7: SSD speedup over AR (verify = 1 time unit)."""
-    return (p_hit * E_hit + (1 - p_hit) * E_miss) / (p_hit * max(1.0, T_p) + (1 - p_hit) * (1 + T_b))
+def ssd_speedup(p_hit: float, E_hit: float, E_miss: float, T_p: float, T_b: float, T_o: float = 0.0) -> float:
+    """Theorem 7: SSD speedup over AR (verify = 1 time unit); T_o: the hit path's transfer overhead."""
+    return (p_hit * E_hit + (1 - p_hit) * E_miss) / (p_hit * (max(1.0, T_p) + T_o) + (1 - p_hit) * (1 + T_b))
 
 
 def sd_speedup(E_sd: float, T_sd: float) -> float:
@@ -85,6 +91,7 @@ class StrategyInputs:
         speculator run on demand ("neural", "suffix", "random").
     draft_seconds: time to draft K tokens serially with each speculator (SD / backup latency T_b).
     primary_seconds: T_p, cache construction per round. decode_seconds: one AR decode step.
+    overhead_seconds: T_o, the target's wait for cached chains beyond T_p (their transfer).
     """
 
     p_hit: float
@@ -95,6 +102,7 @@ class StrategyInputs:
     decode_seconds: float
     batch_size: int
     k: int
+    overhead_seconds: float = 0.0
 
     def __post_init__(self):
         if not 0.0 <= self.p_hit <= 1.0:
@@ -113,6 +121,8 @@ class StrategyInputs:
                 raise ValueError(f"StrategyInputs.draft_seconds[{name!r}] must be >= 0, got {t!r}")
         if not self.primary_seconds >= 0:
             raise ValueError(f"StrategyInputs.primary_seconds must be >= 0, got {self.primary_seconds!r}")
+        if not self.overhead_seconds >= 0:
+            raise ValueError(f"StrategyInputs.overhead_seconds must be >= 0, got {self.overhead_seconds!r}")
         if not (self.verify_seconds > 0 and self.decode_seconds > 0):
             raise ValueError("StrategyInputs.verify_seconds and decode_seconds must be > 0")
         object.__setattr__(self, "tokens", dict(self.tokens))
@@ -133,13 +143,14 @@ def strategy_scores(inputs: StrategyInputs, names: tuple[str, ...] = STRATEGIES)
     b, p, tv = inputs.batch_size, inputs.p_hit, inputs.verify_seconds
     all_hit = p**b
     t_p = inputs.primary_seconds / tv
+    t_o = inputs.overhead_seconds / tv
     scores = {}
     for name in names:
         if name.startswith("ssd+"):
             backup = name[4:]
             per_seq = p * inputs.tokens["hit"] + (1 - p) * inputs.tokens[backup]
             t_b = inputs.draft_seconds[backup] / tv
-            time_units = all_hit * max(1.0, t_p) + (1 - all_hit) * (1 + t_b)
+            time_units = all_hit * (max(1.0, t_p) + t_o) + (1 - all_hit) * (1 + t_b)
             scores[name] = b * per_seq / time_units / tv
         elif name in ("sd", "suffix"):
             kind = "neural" if name == "sd" else "suffix"
@@ -156,11 +167,14 @@ def strategy_scores(inputs: StrategyInputs, names: tuple[str, ...] = STRATEGIES)
 class StrategyConfig:
     """candidates: strategies the rule may pick. fixed: always pick this one (still scored).
     hysteresis: keep the current strategy unless the best beats it by this fraction (0: no stickiness).
+    switch_after: ... and unless that same strategy has been the best (by the margin) on this many
+    decisions in a row (1: at once): a single round's timing outlier then cannot move the rule.
     """
 
     candidates: tuple[str, ...] = STRATEGIES
     fixed: str | None = None
     hysteresis: float = 0.0
+    switch_after: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "candidates", tuple(self.candidates))
@@ -173,6 +187,8 @@ class StrategyConfig:
             raise ValueError(f"StrategyConfig.fixed must be one of the candidates, got {self.fixed!r}")
         if not self.hysteresis >= 0:
             raise ValueError(f"StrategyConfig.hysteresis must be >= 0, got {self.hysteresis!r}")
+        if not isinstance(self.switch_after, int) or isinstance(self.switch_after, bool) or self.switch_after < 1:
+            raise ValueError(f"StrategyConfig.switch_after must be an integer >= 1, got {self.switch_after!r}")
 
 
 class StrategyRule:
@@ -180,6 +196,7 @@ class StrategyRule:
 
     def __init__(self, config: StrategyConfig):
         self.config = config
+        self._challenger: tuple[str, int] | None = None  # (strategy, decisions in a row it has won)
 
     def decide(self, inputs: StrategyInputs, current: str | None = None) -> StrategyDecision:
         cfg = self.config
@@ -192,8 +209,14 @@ class StrategyRule:
             chosen = cfg.fixed
         else:
             chosen = max(cfg.candidates, key=lambda n: scores[n])  # first listed wins ties
-            if current in scores and scores[chosen] <= scores[current] * (1 + cfg.hysteresis):
-                chosen = current
+            challenger, self._challenger = self._challenger, None
+            if current in scores and current in cfg.candidates and chosen != current:
+                if scores[chosen] <= scores[current] * (1 + cfg.hysteresis):
+                    chosen = current
+                else:
+                    wins = challenger[1] + 1 if challenger and challenger[0] == chosen else 1
+                    if wins < cfg.switch_after:
+                        self._challenger, chosen = (chosen, wins), current
         return StrategyDecision(chosen, scores, inputs, _decision_b_star(inputs, cfg.candidates),
                                 scores[chosen] / ar_score)
 
@@ -227,7 +250,7 @@ class EstimatesConfig:
         default_factory=lambda: {"neural": 0.6, "suffix": 0.3, "random": 0.0})
     prior_weight: float = 4.0
     prior_time_units: Mapping[str, float] = field(
-        default_factory=lambda: {"primary": 0.9, "decode": 1.0, "neural": 0.5, "suffix": 0.01,
+        default_factory=lambda: {"primary": 0.9, "overhead": 0.0, "decode": 1.0, "neural": 0.5, "suffix": 0.01,
                                  "random": 0.0})
 
     def __post_init__(self):
@@ -241,7 +264,7 @@ class EstimatesConfig:
             raise ValueError(f"EstimatesConfig.prior_accept needs {SPECULATORS} in [0, 1], got {self.prior_accept!r}")
         if not self.prior_weight > 0:
             raise ValueError(f"EstimatesConfig.prior_weight must be > 0, got {self.prior_weight!r}")
-        needed = {"primary", "decode"} | set(SPECULATORS)
+        needed = {"primary", "overhead", "decode"} | set(SPECULATORS)
         if set(self.prior_time_units) != needed or not all(v >= 0 for v in self.prior_time_units.values()):
             raise ValueError(f"EstimatesConfig.prior_time_units needs keys {sorted(needed)} >= 0")
         object.__setattr__(self, "prior_accept", dict(self.prior_accept))
@@ -263,6 +286,83 @@ class _Ratio:
         return self.num / self.den
 
 
+class _Mean:
+    """Exponentially weighted mean of the values seen (weights d^age, normalised: the first value is
+    not held at full weight, so one slow warm-up round fades as soon as steady ones arrive)."""
+
+    def __init__(self, decay: float):
+        self.num, self.den, self.decay = 0.0, 0.0, decay
+
+    def add(self, x: float) -> None:
+        self.num = self.decay * self.num + x
+        self.den = self.decay * self.den + 1.0
+
+    @property
+    def value(self) -> float | None:
+        return self.num / self.den if self.den else None
+
+
+class _RecentMedian:
+    """Median of the last `size` values: for AR's decode time, measured by rare one-step calibrations
+    (and by AR rounds), where one outlier (a first, cold forward) must not set the estimate."""
+
+    def __init__(self, size: int):
+        self.values: list[float] = []
+        self.size = size
+
+    def add(self, x: float) -> None:
+        self.values = (self.values + [x])[-self.size:]
+
+    @property
+    def value(self) -> float | None:
+        if not self.values:
+            return None
+        ordered = sorted(self.values)
+        n = len(ordered)
+        return ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
+
+
+class _BatchTimes:
+    """A time per round as a function of the batch size b: one estimator (`make()`) per b seen, and for
+    a b not seen, the line t = alpha + beta*b through the others (least squares over their estimates,
+    weighted by how often each was measured; alpha, beta >= 0: a forward costs a fixed weight read plus
+    work per sequence). With one b seen, t(b) = t(b0) * (b + B0) / (b0 + B0): B0 sequences cost what the
+    weight read costs (a prior, B0 = BATCH_PRIOR). The batch shrinks at the end of a generation and
+    grows as rollouts are admitted; a time measured at 16 sequences says little about 3 otherwise."""
+
+    BATCH_PRIOR = 4.0
+
+    def __init__(self, make):
+        self.make = make
+        self.by_batch: dict[int, object] = {}
+        self.counts: dict[int, int] = {}
+
+    def add(self, batch: int, seconds: float) -> None:
+        if batch not in self.by_batch:
+            self.by_batch[batch], self.counts[batch] = self.make(), 0
+        self.by_batch[batch].add(seconds)
+        self.counts[batch] += 1
+
+    def value(self, batch: int) -> float | None:
+        if batch in self.by_batch:
+            return self.by_batch[batch].value
+        if not self.by_batch:
+            return None
+        points = [(b, est.value, self.counts[b]) for b, est in self.by_batch.items()]
+        if len(points) == 1:
+            b0, t0, _ = points[0]
+            return t0 * (batch + self.BATCH_PRIOR) / (b0 + self.BATCH_PRIOR)
+        w = sum(n for _, _, n in points)
+        mb = sum(n * b for b, _, n in points) / w
+        mt = sum(n * t for _, t, n in points) / w
+        var = sum(n * (b - mb) ** 2 for b, _, n in points)
+        beta = max(0.0, sum(n * (b - mb) * (t - mt) for b, t, n in points) / var)
+        alpha = mt - beta * mb
+        if alpha < 0:  # through the origin instead: t = beta * b
+            alpha, beta = 0.0, sum(n * b * t for b, t, n in points) / sum(n * b * b for b, _, n in points)
+        return alpha + beta * batch
+
+
 class LiveEstimates:
     """Per-round counters in, `StrategyInputs` out.
 
@@ -272,11 +372,15 @@ class LiveEstimates:
     and hit rate and acceptance drift with it. Priors enter as pseudo-counts that fade the same way.
     Paths: "hit" = chain from the speculation cache (drafted by the neural draft); "neural",
     "suffix", "random" = chain from that speculator on demand.
-    Times are averaged as values (a prior time is used until the first measurement).
+    Times are per batch size (`_BatchTimes`): normalised exponentially weighted means of the
+    measurements (a prior time is used until the first one); AR's decode time, measured rarely, is the
+    median of its last DECODE_WINDOW values.
     """
 
+    DECODE_WINDOW = 7
+
     PATHS = ("hit",) + SPECULATORS
-    TIMES = ("verify", "primary", "decode") + SPECULATORS
+    TIMES = ("verify", "primary", "overhead", "decode") + SPECULATORS
 
     def __init__(self, config: EstimatesConfig):
         self.config = config
@@ -288,7 +392,9 @@ class LiveEstimates:
         self._accept = {s: _Ratio(a[s], w, d) for s in SPECULATORS}
         e = tokens_from_acceptance(a, config.k)
         self._tokens = {path: _Ratio(e[path], w, d) for path in self.PATHS}
-        self._times: dict[str, float | None] = {name: None for name in self.TIMES}
+        self._times = {name: _BatchTimes((lambda: _RecentMedian(self.DECODE_WINDOW)) if name == "decode"
+                                         else (lambda: _Mean(d)))
+                       for name in self.TIMES}
 
     def observe_cache(self, hits: int, misses: int) -> None:
         """Sequences whose verdict was found in the speculation cache this round, and those that were not."""
@@ -310,15 +416,17 @@ class LiveEstimates:
         self._accept[kind].add(accepted, judged)
         self._tokens[path].add(emitted, sequences)
 
-    def observe_time(self, name: str, seconds: float) -> None:
-        """A measured time per round for the whole batch: "verify", "primary" (T_p), "decode" (one AR
-        step), or a speculator name (drafting K tokens with it: T_SD for "neural", T_b for backups)."""
+    def observe_time(self, name: str, seconds: float, batch: int) -> None:
+        """A measured time per round of a batch of `batch` sequences: "verify", "primary" (T_p),
+        "overhead" (T_o), "decode" (one AR step), or a speculator name (the target's wait for K tokens
+        drafted with it: T_SD for "neural", T_b for backups)."""
         if name not in self.TIMES:
             raise ValueError(f"unknown time {name!r}; known: {self.TIMES}")
         if not seconds >= 0:
             raise ValueError(f"time must be >= 0, got {seconds!r}")
-        old = self._times[name]
-        self._times[name] = seconds if old is None else self._decay * old + (1 - self._decay) * seconds
+        if not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
+        self._times[name].add(batch, seconds)
 
     @property
     def p_hit(self) -> float:
@@ -330,25 +438,26 @@ class LiveEstimates:
     def tokens_per_round(self, path: str) -> float:
         return self._tokens[path].value
 
-    def seconds(self, name: str) -> float:
-        """A time estimate; before any measurement: its prior in verify units times the verify time."""
-        t = self._times[name]
+    def seconds(self, name: str, batch: int) -> float:
+        """A time estimate at `batch` sequences; before any measurement of it: its prior in verify units
+        times the verify time."""
+        t = self._times[name].value(batch)
         if t is not None:
             return t
-        verify = self._times["verify"]
-        if verify is None:
+        if name == "verify" or self._times["verify"].value(batch) is None:
             raise ValueError(f"no measurement of {name!r} nor of the verify time yet")
-        return self.config.prior_time_units[name] * verify
+        return self.config.prior_time_units[name] * self.seconds("verify", batch)
 
     def inputs(self, batch_size: int) -> StrategyInputs:
         k = self.config.k
         return StrategyInputs(
             p_hit=self.p_hit,
             tokens={path: min(max(self.tokens_per_round(path), 1.0), k + 1.0) for path in self.PATHS},
-            draft_seconds={s: self.seconds(s) for s in SPECULATORS},
-            primary_seconds=self.seconds("primary"),
-            verify_seconds=self.seconds("verify"),
-            decode_seconds=self.seconds("decode"),
+            draft_seconds={s: self.seconds(s, batch_size) for s in SPECULATORS},
+            primary_seconds=self.seconds("primary", batch_size),
+            overhead_seconds=self.seconds("overhead", batch_size),
+            verify_seconds=self.seconds("verify", batch_size),
+            decode_seconds=self.seconds("decode", batch_size),
             batch_size=batch_size,
             k=k,
         )
