@@ -503,6 +503,11 @@ def test_live_times_depend_on_the_batch_size():
     fresh.observe_time("verify", 0.5, 2)
     fresh.observe_time("verify", 0.1, 10)  # falling with b: slope clamped at 0, the weighted mean
     assert fresh.seconds("verify", 6) == pytest.approx(0.3) and fresh.seconds("verify", 30) == pytest.approx(0.3)
+    steep = LiveEstimates(EstimatesConfig(k=3))  # the fitted line would cross below 0: through the origin
+    steep.observe_time("verify", 0.1, 2)
+    steep.observe_time("verify", 1.0, 10)
+    beta = (2 * 0.1 + 10 * 1.0) / (2 * 2 + 10 * 10)
+    assert steep.seconds("verify", 6) == pytest.approx(6 * beta) and steep.seconds("verify", 1) == pytest.approx(beta)
     with pytest.raises(ValueError, match="batch"):
         est.observe_time("verify", 0.1, 0)
 

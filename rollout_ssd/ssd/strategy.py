@@ -286,16 +286,16 @@ class _Ratio:
         return self.num / self.den
 
 
-class _Mean:
-    """Exponentially weighted mean of the values seen (weights d^age, normalised: the first value is
-    not held at full weight, so one slow warm-up round fades as soon as steady ones arrive)."""
+class _Mean(_Ratio):
+    """Exponentially weighted mean of the values seen: a `_Ratio` with no prior and one denominator
+    unit per value (normalised: the first value is not held at full weight, so one slow warm-up round
+    fades as soon as steady ones arrive). None before the first value."""
 
     def __init__(self, decay: float):
-        self.num, self.den, self.decay = 0.0, 0.0, decay
+        super().__init__(0.0, 0.0, decay)
 
     def add(self, x: float) -> None:
-        self.num = self.decay * self.num + x
-        self.den = self.decay * self.den + 1.0
+        super().add(x, 1.0)
 
     @property
     def value(self) -> float | None:
@@ -385,7 +385,6 @@ class LiveEstimates:
     def __init__(self, config: EstimatesConfig):
         self.config = config
         d = 0.5 ** (1.0 / config.halflife_rounds)
-        self._decay = d
         w = config.prior_weight
         self._hit = _Ratio(config.prior_p_hit, w, d)
         a = config.prior_accept
@@ -444,9 +443,10 @@ class LiveEstimates:
         t = self._times[name].value(batch)
         if t is not None:
             return t
-        if name == "verify" or self._times["verify"].value(batch) is None:
+        verify = None if name == "verify" else self._times["verify"].value(batch)
+        if verify is None:
             raise ValueError(f"no measurement of {name!r} nor of the verify time yet")
-        return self.config.prior_time_units[name] * self.seconds("verify", batch)
+        return self.config.prior_time_units[name] * verify
 
     def inputs(self, batch_size: int) -> StrategyInputs:
         k = self.config.k
