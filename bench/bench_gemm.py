@@ -1,14 +1,19 @@
 """GEMM forms for the decoder's layer matrices on this CPU (why `decoder.linear` keeps row-major copies).
 
 Thirty layers of SmolLM2-135M's matrix shapes (random float32 weights, so the 412 MB stream from
-memory as in a real forward), for each row count M: the time for all 120 GEMMs in three forms,
+memory as in a real forward), for each row count M: the time for all 120 GEMMs in each form (forms
+interleaved; the fastest of --repeats runs, the least disturbed one on a shared machine),
   colmajor x@W.T   F.linear over a column-major W (the layers' storage; what one-row decode uses)
-  rowmajor W@x.T   torch.mm(W, x.T) over a row-major copy (what `decoder.linear` uses for M >= 2)
+  rowmajor W@x.T   torch.mm(W, x.T) over a row-major copy (`decoder.linear`'s multi-row form before padding)
   rowmajor x@W.T   F.linear over a row-major W (the usual nn.Linear layout, for reference)
+  padded W@x.T     rowmajor W@x.T with x padded by zero rows to `decoder.gemm_rows(M)`
+  decoder.linear   what the decoder runs: one of the above by M and the thread count
 Run:
 
     .venv/bin/python bench/bench_gemm.py --threads 2
     .venv/bin/python bench/bench_gemm.py --threads 1
+    .venv/bin/python bench/bench_gemm.py --threads 1 --rows 2,3,4,5,7,8,9,12,13,15,16,17,19,24,31,32,64
+    .venv/bin/python bench/bench_gemm.py --threads 2 --rows 2,3,4,5,7,8,9,12,13,15,16,17,19,24,31,32,64
 """
 
 from __future__ import annotations
@@ -17,7 +22,11 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from common import machine_note, median, print_json_line, print_table, time_call
+from common import add_repo_to_path, machine_note, print_json_line, print_table, time_call
+
+add_repo_to_path()
+
+from rollout_ssd.models.decoder import WeightCopies, gemm_rows, linear, padded_mm_t  # noqa: E402
 
 SHAPES = [(768, 576), (576, 576), (3072, 576), (576, 1536)]  # fused qkv, o, fused gate|up, down
 LAYERS = 30
@@ -39,16 +48,25 @@ def main(argv=None):
     rows = []
     forms = {"colmajor x@W.T": (col_major, F.linear),
              "rowmajor W@x.T": (row_major, lambda x, w: torch.mm(w, x.t())),
-             "rowmajor x@W.T": (row_major, F.linear)}
+             "rowmajor x@W.T": (row_major, F.linear),
+             "padded W@x.T": (row_major, lambda x, w: padded_mm_t(w, x)),
+             "decoder.linear": (col_major, lambda x, w: linear(x, w, copies, str(id(w))))}
+    copies = WeightCopies()  # decoder.linear's row-major copies, made on first use (in the warm-up)
     for m in (int(x) for x in args.rows.split(",")):
         xs = {k: torch.randn(m, k, generator=gen) for k in (576, 1536)}
-        ms = {}
+        calls = {}
         for name, (weights, op) in forms.items():
             def forward(weights=weights, op=op, xs=xs):
                 return [op(xs[w.shape[1]], w) for ws in weights for w in ws]
             forward()  # warm-up
-            ms[name] = 1e3 * median(time_call(forward, args.repeats))
-        rows.append({"rows": m, **{f"{k} ms": v for k, v in ms.items()}, "best": min(ms, key=ms.get)})
+            calls[name] = forward
+        times = {name: [] for name in forms}
+        for _ in range(args.repeats):  # forms interleaved, so a slow spell of the machine hits all alike
+            for name, forward in calls.items():
+                times[name] += time_call(forward, 1)
+        ms = {name: 1e3 * min(ts) for name, ts in times.items()}
+        rows.append({"rows": m, "padded to": gemm_rows(m), **{f"{k} ms": v for k, v in ms.items()},
+                     "best": min(ms, key=ms.get)})
     print_table(rows, floatfmt=".1f")
     print_json_line({"bench": "gemm", "machine": machine_note(), "layers": LAYERS, "shapes": SHAPES, "rows": rows})
 

@@ -147,6 +147,45 @@ def test_rollback_then_append_equals_fresh_run(tiny):
         runner.rollback(slot, runner.length(slot) + 1)
 
 
+def test_gemm_rows_pad_to_fast_widths_and_drop_the_padding():
+    """decoder.linear and the LM head run an M-row GEMM at gemm_rows(M) rows (zero rows added: MKL is up to
+    1.9x slower at widths off a multiple of 4 / 8, bench/RESULTS.md). The padded rows must never reach the
+    output: every real row equals F.linear's, and the shapes are the unpadded ones."""
+    from rollout_ssd.models.decoder import WeightCopies, gemm_rows, linear
+
+    for m in range(1, 200):
+        p = gemm_rows(m)
+        assert m <= p <= m + 7 and (m <= 16 or p % 8 == 0), (m, p)
+    assert [gemm_rows(m) for m in (1, 2, 3, 4, 5, 15, 16, 17, 31)] == [1, 2, 4, 4, 5, 16, 16, 24, 32]
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(3072, 576, generator=gen).t().contiguous().t()   # column-major, as the layers store it
+    bias = torch.randn(3072, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):  # 1 thread: 12+ rows take the column-major form, fewer the padded one
+            torch.set_num_threads(n_threads)
+            for shape in ((3, 576), (1, 13, 576), (5, 3, 576), (31, 576), (7, 576)):
+                x = torch.randn(*shape, generator=gen)
+                out = linear(x, w, WeightCopies(), "w", bias)
+                ref = torch.nn.functional.linear(x.double(), w.double(), bias.double())
+                assert out.shape == ref.shape
+                assert rel_err(out, ref) <= TOL_F32, (n_threads, shape)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_head_logits_pad_rows_and_drop_the_padding(tiny):
+    _, loaded = tiny
+    model = loaded.model
+    gen = torch.Generator().manual_seed(1)
+    for m in (2, 3, 7, 13, 17):
+        hidden = torch.randn(m, model.cfg.hidden_size, generator=gen)
+        out = model.head_logits(hidden)
+        ref = hidden.double() @ model.lm_head.double().t()
+        assert out.shape == ref.shape
+        assert rel_err(out, ref) <= TOL_F32, m
+
+
 def test_multi_row_forwards_follow_in_place_weight_writes(tiny, tmp_path, request):
     """Forwards over 2+ rows run on row-major copies of the frozen float32 layer weights (decoder.linear,
     decoder.WeightCopies). After the weights are rewritten in place (as weight sync does), or a weight

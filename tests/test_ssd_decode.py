@@ -90,11 +90,63 @@ def test_ar_rounds_time_decode_not_verify(pair48):
     observe = ssd.estimates.observe_time
     ssd.estimates.observe_time = lambda name, seconds, batch: (seen.append((ssd.strategy, name)),
                                                               observe(name, seconds, batch))
-    engine.sample(PROMPTS[:3], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
+    engine.sample(PROMPTS[:3], SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True))
     verify = [s for s, name in seen if name == "verify"]
     decode = [s for s, name in seen if name == "decode"]
-    assert verify == ["ssd+neural"]  # the first round (nothing measured yet) speculates, then AR only
-    assert decode.count("ar") >= 6  # every AR round times a decode step
+    # round 1 (cold: timed nothing) and the decide_after rounds the rule measures before deciding
+    # speculate, then AR only
+    assert verify == ["ssd+neural"] * ssd.config.decide_after
+    ar_rounds = engine.metrics()["ssd/strategy_rounds"]["ar"]
+    assert ar_rounds >= 4 and decode.count("ar") == ar_rounds  # every AR round times a decode step
+    engine.close()
+
+
+def test_first_rounds_do_not_feed_acceptance_estimates(pair48):
+    """Each sequence's first round (the cold one after its prompt, whose tokens are the easiest) is left
+    out of the acceptance and tokens-per-round estimates the rule scores SD and SSD with, and a round of
+    first rounds only times nothing (one-off costs); later rounds feed both."""
+    target, draft = pair48
+    engine = ssd_engine(target, draft, SSDConfig(k=3, strategy_rule=True), 3)
+    ssd = engine.strategy
+    ssd.rule = StrategyRule(StrategyConfig(candidates=ssd.rule.config.candidates, fixed="sd"))
+    seen, after_step = [], []
+    observe, step = ssd.estimates.observe_round, ssd.step
+    ssd.estimates.observe_round = lambda path, sequences, *a: (seen.append((path, sequences)),
+                                                              observe(path, sequences, *a))
+    ssd.step = lambda running: (step(running), after_step.append((len(seen), list(times))))[0]
+    times, observe_time = [], ssd.estimates.observe_time
+    ssd.estimates.observe_time = lambda name, *a: (times.append(name), observe_time(name, *a))
+    engine.sample(PROMPTS[:3], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
+    assert len(after_step) >= 5 and after_step[0] == (0, [])  # round 1 is every sequence's first
+    assert "verify" in after_step[1][1] and "neural" in after_step[1][1]
+    # AR's step is calibrated on each of the decide_after timed rounds before the first decision, then
+    # FIRST_CALIBRATION_GAP rounds later
+    warmup = ssd.config.decide_after
+    assert [n.count("decode") for _, n in after_step[1:warmup + 2]] == list(range(1, warmup + 1)) + [warmup]
+    assert after_step[-1][1].count("decode") == warmup
+    assert seen and all(path in ("neural", "hit") for path, _ in seen)
+    assert sum(n for _, n in seen) >= 3 * 2  # the later rounds of all three sequences are observed
+    engine.close()
+
+
+@pytest.mark.parametrize("ar_gain", [1.5, 1.1])
+def test_rule_leaves_the_default_early_only_for_a_clear_winner(pair48, monkeypatch, ar_gain):
+    """Before decide_after timed rounds the rule keeps ssd+<backup> unless another strategy scores
+    decide_margin (0.3) higher: AR at 1.5x is taken after the first timed round, AR at 1.1x only once
+    decide_after rounds are timed (round 1, cold, times nothing)."""
+    import rollout_ssd.ssd.strategy as strategy_module
+
+    target, draft = pair48
+    engine = ssd_engine(target, draft, SSDConfig(k=3, strategy_rule=True), 3)
+    ssd = engine.strategy
+    monkeypatch.setattr(strategy_module, "strategy_scores",
+                        lambda inputs, names: {n: ar_gain if n == "ar" else 1.0 for n in names})
+    chosen, choose = [], ssd._choose
+    ssd._choose = lambda batch: (chosen.append(choose(batch)), chosen[-1])[1]
+    engine.sample(PROMPTS[:3], SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True))
+    first_ar = chosen.index("ar")
+    assert set(chosen[:first_ar]) == {"ssd+neural"} and set(chosen[first_ar:]) == {"ar"}
+    assert first_ar == (2 if ar_gain > 1 + ssd.config.decide_margin else 1 + ssd.config.decide_after)
     engine.close()
 
 

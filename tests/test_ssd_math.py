@@ -487,26 +487,46 @@ def test_live_time_estimates_forget_a_slow_first_measurement():
 
 
 def test_live_times_depend_on_the_batch_size():
-    """A time seen at one batch size is scaled to another by (b + B0) / (b0 + B0); with two or more
-    sizes seen, by the fitted line alpha + beta * b (alpha, beta >= 0); a size seen is its own estimate."""
+    """A time seen at one batch size is scaled to another by (b + B0) / (b0 + B0); with two or more sizes
+    seen, by the least-squares line alpha + beta * b (alpha, beta >= 0) whose slope is shrunk towards that
+    prior shape with the weight of a spread of B0 in b: sizes close together (16 and 15 at the end of a
+    generation) extrapolate like one size, sizes far apart set the slope; a size seen is its own estimate."""
+    b0 = 4.0  # _BatchTimes.BATCH_PRIOR
+
+    def fitted(points, b):  # the shrunk weighted least-squares line, written out
+        w = sum(n for _, _, n in points)
+        mb, mt = sum(n * x for x, _, n in points) / w, sum(n * t for _, t, n in points) / w
+        sxx = sum(n * (x - mb) ** 2 for x, _, n in points)
+        sxy = sum(n * (x - mb) * (t - mt) for x, t, n in points)
+        beta = max(0.0, (sxy + w * b0**2 * mt / (mb + b0)) / (sxx + w * b0**2))
+        return mt + beta * (b - mb)
+
     est = LiveEstimates(EstimatesConfig(k=3))
     est.observe_time("decode", 0.28, 16)
-    b0 = 4.0  # _BatchTimes.BATCH_PRIOR
     assert est.seconds("decode", 1) == pytest.approx(0.28 * (1 + b0) / (16 + b0))
     for b, t in ((16, 0.28), (4, 0.10), (4, 0.10)):
         est.observe_time("decode", t, b)
-    beta = (0.28 - 0.10) / 12
-    assert est.seconds("decode", 8) == pytest.approx(0.10 + beta * 4)  # on the line through (4, .1), (16, .28)
-    assert est.seconds("decode", 1) == pytest.approx(0.10 - beta * 3)
+    points = [(16, 0.28, 2), (4, 0.10, 2)]
+    assert est.seconds("decode", 8) == pytest.approx(fitted(points, 8))
+    assert est.seconds("decode", 1) == pytest.approx(fitted(points, 1))
+    line = (0.28 - 0.10) / 12  # spread 6 > B0: closer to the two points' own line than to the prior
+    assert abs(est.seconds("decode", 1) - (0.10 - 3 * line)) < abs(est.seconds("decode", 1) - 0.19 * 5 / 14)
     assert est.seconds("decode", 16) == pytest.approx(0.28) and est.seconds("decode", 4) == pytest.approx(0.10)
+    tail = LiveEstimates(EstimatesConfig(k=3))  # the end of a generation: 16 many times, then 15 once, slower
+    for _ in range(40):
+        tail.observe_time("verify", 0.29, 16)
+    tail.observe_time("verify", 0.47, 15)
+    scaled = 0.29 * (1 + b0) / (16 + b0)  # what 16 alone says about 1
+    assert tail.seconds("verify", 1) == pytest.approx(fitted([(16, 0.29, 40), (15, 0.47, 1)], 1))
+    assert abs(tail.seconds("verify", 1) - scaled) < 0.02  # without the prior: 0.33 (slope clamped at 0)
     fresh = LiveEstimates(EstimatesConfig(k=3))  # no AR time known: verify times are kept as they are
     fresh.observe_time("verify", 0.5, 2)
     fresh.observe_time("verify", 0.1, 10)  # falling with b: slope clamped at 0, the weighted mean
     assert fresh.seconds("verify", 6) == pytest.approx(0.3) and fresh.seconds("verify", 30) == pytest.approx(0.3)
     steep = LiveEstimates(EstimatesConfig(k=3))  # the fitted line would cross below 0: through the origin
-    steep.observe_time("verify", 0.1, 2)
+    steep.observe_time("verify", 0.01, 2)
     steep.observe_time("verify", 1.0, 10)
-    beta = (2 * 0.1 + 10 * 1.0) / (2 * 2 + 10 * 10)
+    beta = (2 * 0.01 + 10 * 1.0) / (2 * 2 + 10 * 10)
     assert steep.seconds("verify", 6) == pytest.approx(6 * beta) and steep.seconds("verify", 1) == pytest.approx(beta)
     with pytest.raises(ValueError, match="batch"):
         est.observe_time("verify", 0.1, 0)
@@ -531,7 +551,9 @@ def test_strategy_configs_reject_bad_values(make):
 
 
 @pytest.mark.parametrize("field,value", [("hysteresis", -0.1), ("hysteresis", math.nan), ("hysteresis", "0.05"),
-                                         ("hysteresis", True), ("switch_after", 0), ("switch_after", 2.0)])
+                                         ("hysteresis", True), ("switch_after", 0), ("switch_after", 2.0),
+                                         ("decide_after", 0), ("decide_after", 1.5), ("decide_after", True),
+                                         ("decide_margin", -0.1), ("decide_margin", math.nan), ("decide_margin", True)])
 def test_ssd_config_rejects_bad_rule_settings(field, value):
     with pytest.raises(ValueError, match=rf"SSDConfig\.{field}"):
         SSDConfig(**{field: value})

@@ -104,21 +104,52 @@ class WeightCopies:
         return hit[0]
 
 
+# MKL's W @ x.T (N = the row count M) runs a slow remainder path when M is off a multiple of 4 or 8:
+# 30 layers' GEMMs at 15 rows cost 1.7x those at 16 (1 thread; 1.6x at 2 threads), 31 rows 1.5x 32
+# (bench/RESULTS.md, "GEMM widths"). `linear` and the LM head pad x with zero rows to `gemm_rows(M)`:
+# up to 16 the widths where padding won in that run, above it the next multiple of 8.
+_PAD_SMALL = {3: 4, 7: 8, 12: 16, 13: 16, 14: 16, 15: 16}
+# With one thread, x @ W.T over the column-major storage is as fast as W @ x.T from 12 rows on and has
+# no remainder penalty (same run), so 12+ rows use it there.
+ONE_THREAD_COLUMN_MAJOR_ROWS = 12
+
+
+def gemm_rows(m: int) -> int:
+    """The row count `linear` and the LM head run an m-row W @ x.T at (m, or up to 7 zero rows more)."""
+    if m <= 16:
+        return _PAD_SMALL.get(m, m)
+    return -(-m // 8) * 8
+
+
+def padded_mm_t(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """(w @ x.T).T for x [M, K] (a non-contiguous view), computed over gemm_rows(M) rows (the zero rows'
+    outputs dropped)."""
+    m = x.shape[0]
+    padded = _PAD_SMALL.get(m, m) if m <= 16 else -(-m // 8) * 8  # gemm_rows(m), inlined: a hot path
+    if padded == m:
+        return torch.mm(w, x.t()).t()
+    return torch.mm(w, F.pad(x, (0, 0, 0, padded - m)).t())[:, :m].t()
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,
            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear(x, w, bias); for 2+ rows of a frozen float32 CPU weight, W @ x.T over a row-major copy.
+    """F.linear(x, w, bias); for 2+ rows of a frozen float32 CPU weight, the fastest GEMM form measured.
 
     The layers store float32 matrices column-major, the fastest form for one row (a decode step at
     batch 1). For 2..256 rows (verification of K+1 tokens, batched decode, prefill) MKL is 1.5-2.7x
     faster computing W @ x.T over a row-major W (2 threads, AVX2 EPYC, MKL 2024.2: at 2..9 rows the 30
     layers' GEMMs cost about what one row costs, memory-bound; bench/RESULTS.md), so frozen weights
-    keep a row-major copy in `copies` (one more copy of the layer matrices in memory). Weights that
-    require grad (training) use F.linear. The forms differ only in float32 rounding."""
+    keep a row-major copy in `copies` (one more copy of the layer matrices in memory), and x is padded
+    to `gemm_rows`. With one thread, 12+ rows use x @ W.T over the column-major storage instead (as
+    fast, no remainder penalty). Weights that require grad (training) use F.linear. The forms differ
+    only in float32 rounding."""
     m = x.numel() // x.shape[-1]
     if m < 2 or w.requires_grad or w.dtype != torch.float32 or not w.is_cpu:
         return F.linear(x, w, bias)
+    if m >= ONE_THREAD_COLUMN_MAJOR_ROWS and w.t().is_contiguous() and torch.get_num_threads() == 1:
+        return F.linear(x, w, bias)
     rows = w if w.is_contiguous() else copies.get(name, w, torch.Tensor.contiguous)
-    out = torch.mm(rows, x.reshape(m, x.shape[-1]).t()).t()
+    out = padded_mm_t(rows, x.reshape(m, x.shape[-1]))
     if bias is not None:
         out = out + bias
     return out.contiguous().view(*x.shape[:-1], w.shape[0])
@@ -246,14 +277,15 @@ class Decoder(nn.Module):
         float32 on CPU, the GEMM form depends on the row count M (MKL, AVX2 EPYC, bench/RESULTS.md):
         M = 1 streams a column-major copy of the head (1.5x faster than F.linear's GEMV, at the read
         bandwidth); 2 <= M <= 64 computes head @ rows.T (1.3-2.5x faster than rows @ head.T); more rows
-        use F.linear. The forms differ only in float32 rounding."""
+        use F.linear; M is padded with zero rows to `gemm_rows(M)`. The forms differ only in float32
+        rounding."""
         rows = hidden.reshape(-1, hidden.shape[-1])  # [M, H]
         m = rows.shape[0]
         cpu_f32 = self.lm_head.dtype == torch.float32 and self.lm_head.is_cpu and not rows.requires_grad
         if cpu_f32 and m == 1:
             head = rows @ self.column_major_head()
         elif cpu_f32 and m <= 64:
-            head = torch.mm(self.lm_head, rows.t()).t().contiguous()
+            head = padded_mm_t(self.lm_head, rows).contiguous()
         else:
             head = F.linear(rows, self.lm_head)
         return head.float().reshape(*hidden.shape[:-1], head.shape[-1])

@@ -24,6 +24,10 @@ class SSDConfig:
     keeps its current strategy unless another scores this fraction higher (two strategies within
     the estimates' noise would otherwise swap back and forth, each swap costing a cold round), and
     only once it has scored higher on switch_after decisions in a row (one slow round cannot move it).
+    decide_after: speculating rounds the rule measures (a generation's cold first round not counted)
+    before its first decision; until then it runs "ssd+<backup>" (a decision on one round's timings,
+    noisy by +-25% on a shared CPU, could settle on AR, after which SD and SSD are not measured again),
+    unless another strategy already scores decide_margin (a fraction) higher, beyond that noise.
     worker: run the draft in its own process (its own core on a CPU, pinned when pin_cores). worker_timeout:
     seconds a reply may take before the worker is declared dead; startup_timeout: the same for start-up.
     fallback: what finishes the rollouts after a worker failure ("sd": in-process neural draft, "ar").
@@ -38,8 +42,10 @@ class SSDConfig:
     c_min: float = 0.3
     backup: str = "neural"
     strategy_rule: bool = False
-    hysteresis: float = 0.05
+    hysteresis: float = 0.10
     switch_after: int = 2
+    decide_after: int = 3
+    decide_margin: float = 0.3
     worker: bool = False
     worker_timeout: float = 30.0
     startup_timeout: float = 180.0
@@ -76,6 +82,11 @@ class SSDConfig:
             raise ValueError(f"SSDConfig.hysteresis must be a number >= 0, got {self.hysteresis!r}")
         if not isinstance(self.switch_after, int) or isinstance(self.switch_after, bool) or self.switch_after < 1:
             raise ValueError(f"SSDConfig.switch_after must be an integer >= 1, got {self.switch_after!r}")
+        if not isinstance(self.decide_after, int) or isinstance(self.decide_after, bool) or self.decide_after < 1:
+            raise ValueError(f"SSDConfig.decide_after must be an integer >= 1, got {self.decide_after!r}")
+        if isinstance(self.decide_margin, bool) or not isinstance(self.decide_margin, (int, float)) \
+                or not 0.0 <= self.decide_margin < math.inf:
+            raise ValueError(f"SSDConfig.decide_margin must be a number >= 0, got {self.decide_margin!r}")
         for name in ("worker_timeout", "startup_timeout"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):

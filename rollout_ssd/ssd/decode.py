@@ -98,12 +98,13 @@ class _Round:
     reply: Optional[ChainReply] = None
     warm: list[bool] = field(default_factory=list)  # a cache had been built for the sequence
     cached: list[int] = field(default_factory=list)  # candidates cached at the realised depth
+    first: list[bool] = field(default_factory=list)  # the sequence's first round (no verdict before it)
     backup_seconds: float = 0.0
     wait_seconds: float = 0.0  # the target's wait for the draft side's chains, request to validated reply
 
 
-CALIBRATE_EVERY = 128  # speculating rounds between AR decode-time calibrations, after the second
-FIRST_CALIBRATION_GAP = 16  # rounds between the first and the second (each costs one AR step of the batch)
+CALIBRATE_EVERY = 128  # speculating rounds between AR decode-time calibrations, after the warm-up ones
+FIRST_CALIBRATION_GAP = 16  # rounds after the warm-up calibrations (each costs one AR step of the batch)
 
 
 class SSDDecode(DecodeStrategy):
@@ -139,6 +140,7 @@ class SSDDecode(DecodeStrategy):
                                                 switch_after=config.switch_after))
         self.strategy = self.default_strategy
         self._decided = False
+        self._measured_rounds = 0  # speculating rounds timed so far (SSDConfig.decide_after)
         self.tracks: dict[int, _Track] = {}  # id(seq) -> track
         self.live: dict[int, Sequence] = {}
         self._next_id = 0
@@ -312,16 +314,22 @@ class SSDDecode(DecodeStrategy):
                 self._shared_checksums[n] = checksum(new[n])
 
     # ------------------------------------------------------------------ one round
-    def _calibrate_decode(self, running: list[Sequence]) -> float:
+    def _calibrate_decode(self, running: list[Sequence], cold: bool) -> float:
         """Time one plain AR decode forward of this batch (then undo it), so the strategy rule compares
         against AR's real step time rather than a prior. On a CPU a verify of K+1 tokens costs more than
         one decode step (THEORY.md §3), and without this the rule (and ssd/predicted_speedup) would
-        assume they cost the same. Done on the first speculating round, FIRST_CALIBRATION_GAP rounds later,
-        then every CALIBRATE_EVERY (AR rounds are measured as they run, `_observe`; the estimate is the
-        median of the last few, so one slow step does not set it), between the draft side's
-        answer and the chains it is sent: the draft side is idle then, as it is while AR runs, so the
-        step is not slowed by a cache build competing for memory bandwidth. Returns the seconds spent."""
-        gap = FIRST_CALIBRATION_GAP if self._calibrations == 1 else CALIBRATE_EVERY
+        assume they cost the same. Done on each of the first `decide_after` timed speculating rounds (the
+        estimate is the median of the last few, so one slow step among them cannot set the first decision,
+        which one calibration alone, 16 rounds before the next, did), FIRST_CALIBRATION_GAP rounds
+        later, then every CALIBRATE_EVERY (AR rounds are measured as they run, `_observe`); never in a
+        round of first rounds (`cold`, one-off costs). It runs between the draft side's answer and the
+        chains it is sent: the draft side is idle then, as it is while AR runs, so the step is not slowed
+        by a cache build competing for memory bandwidth. Returns the seconds spent."""
+        if cold:
+            return 0.0
+        warmup = self.config.decide_after
+        gap = 0 if self._calibrations < warmup else FIRST_CALIBRATION_GAP if self._calibrations == warmup \
+            else CALIBRATE_EVERY
         if self._calibrations and self._rounds_since_calibration < gap:
             self._rounds_since_calibration += 1
             return 0.0
@@ -341,7 +349,7 @@ class SSDDecode(DecodeStrategy):
         strategy = self._choose(len(running))
         ks = [max(0, min(self.k, s.budget - 1)) for s in running]
         rnd = self._propose(running, ks, strategy, plan)
-        calibration = self._calibrate_decode(running) if strategy != "ar" else 0.0
+        calibration = self._calibrate_decode(running, all(rnd.first)) if strategy != "ar" else 0.0
         told = False
         if rnd.reply is not None and self.client is not None:  # the draft side that answered hears the chains
             build = strategy.startswith("ssd+")
@@ -375,12 +383,20 @@ class SSDDecode(DecodeStrategy):
     def _choose(self, batch: int) -> str:
         if self._failed:
             return "sd" if self.client is not None else "ar"
+        early = self._measured_rounds < self.config.decide_after  # few timed rounds yet: noisy estimates
+        if early and not self._measured_rounds:
+            return self.default_strategy
         try:
             inputs = self.estimates.inputs(batch)
-        except ValueError:  # nothing measured yet
+        except ValueError:  # a time the rule needs was never measured
             return self.default_strategy
         # the first decision (the strategy so far was a default, not a choice) is taken at once
         decision = self.rule.decide(inputs, current=self.strategy if self._decided else None)
+        if early:  # leave the default only for a strategy clearly better than it, beyond the noise
+            margin = 1 + self.config.decide_margin
+            if self.rule.config.fixed is not None or decision.chosen == self.default_strategy \
+                    or decision.scores[decision.chosen] <= decision.scores[self.default_strategy] * margin:
+                return self.default_strategy
         self._decided = True
         if decision.chosen != self.strategy:
             log.info("SSD strategy %s -> %s (b=%d, p_hit=%.3f, scores %s, b*=%.3g)", self.strategy, decision.chosen,
@@ -399,7 +415,7 @@ class SSDDecode(DecodeStrategy):
     def _propose(self, running: list[Sequence], ks: list[int], strategy: str, plan: FanoutPlan) -> _Round:
         n = len(running)
         rnd = _Round([[] for _ in range(n)], [PointDraft() for _ in range(n)], ["none"] * n,
-                     warm=[False] * n, cached=[0] * n)
+                     warm=[False] * n, cached=[0] * n, first=[self.tracks[id(s)].verdict is None for s in running])
         need_backup = list(range(n)) if strategy in ("suffix",) else []
         if strategy in USES_DRAFT and self.client is not None:
             on_miss = strategy in ("ssd+neural", "sd")
@@ -422,7 +438,7 @@ class SSDDecode(DecodeStrategy):
             except WorkerFailure as err:  # chains not received: empty proposals (AR steps) this round
                 self._fail(err)
                 rnd = _Round([[] for _ in range(n)], [PointDraft() for _ in range(n)], ["none"] * n,
-                             warm=[False] * n, cached=[0] * n)
+                             warm=[False] * n, cached=[0] * n, first=rnd.first)
             else:
                 need_backup = [i for i in range(n) if rnd.reply.rows[i].status == MISS and ks[i] > 0]
         if need_backup and self.backup is not None and strategy in ("ssd+suffix", "ssd+random", "suffix"):
@@ -459,14 +475,24 @@ class SSDDecode(DecodeStrategy):
     def _observe(self, strategy: str, plan: FanoutPlan, rnd: _Round, ks: list[int], accepted: list[int],
                  rejected: list[bool], verify_seconds: float) -> None:
         est, planner, b = self.estimates, self.planner, len(ks)
+        # a round of first rounds only (a generation's cold start) times nothing: it carries one-off costs
+        # (weight copies remade after a policy update, first touches of the KV cache) that later rounds
+        # do not, and one such time would hold a strategy's estimate down until that strategy runs again
+        cold = all(rnd.first)
+        timed = (lambda name, seconds, batch: None) if cold else est.observe_time
         if strategy == "ar":  # a one-token step: AR's time, not a K+1-token verify's (and a calibration)
-            est.observe_time("decode", verify_seconds, b)
+            timed("decode", verify_seconds, b)
             self._calibrations, self._rounds_since_calibration = self._calibrations + 1, 0
         else:
-            est.observe_time("verify", verify_seconds, b)
+            timed("verify", verify_seconds, b)
+            self._measured_rounds += not cold
+        # acceptance and tokens per round leave out each sequence's first round: the first tokens after a
+        # prompt are the easiest (3.3-3.6 tokens per round there against 2.7-2.9 later, batch 16 greedy,
+        # unseen prompts), every rollout has one, and the rule decides about the rounds after it
         groups: dict[str, list[int]] = {}
         for i, path in enumerate(rnd.paths):
-            groups.setdefault(path, []).append(i)
+            if not rnd.first[i]:
+                groups.setdefault(path, []).append(i)
         for path, idx in groups.items():
             if path == "none":
                 continue
@@ -491,21 +517,21 @@ class SSDDecode(DecodeStrategy):
         reply = rnd.reply
         if reply is not None:
             if reply.build_seconds > 0 and self._prev_verify:
-                est.observe_time("primary", reply.build_seconds, self._prev_batch)
+                timed("primary", reply.build_seconds, self._prev_batch)
                 planner.observe_timing(reply.build_seconds, max(self._prev_budget, 1), self._prev_verify,
                                        min(reply.glue_seconds, reply.build_seconds))
                 state["T_p"] = reply.build_seconds / self._prev_verify
             # draft-side times are the target's waits (strategy.py): on-demand drafting, or the cache's transfer
             if any(p == "neural" for p in rnd.paths):
-                est.observe_time("neural", rnd.wait_seconds, b)
+                timed("neural", rnd.wait_seconds, b)
                 state["T_b"] = rnd.wait_seconds / verify_seconds
             elif asked and all(rnd.paths[i] == "hit" for i in asked):
                 excess = max(0.0, reply.build_seconds - (self._prev_verify or 0.0))  # counted in T_p
                 overhead = max(0.0, rnd.wait_seconds - excess)
-                est.observe_time("overhead", overhead, b)
+                timed("overhead", overhead, b)
                 state["T_o"] = overhead / verify_seconds
         if rnd.backup_seconds and self.backup is not None and self.backup.name in ("suffix", "random"):
-            est.observe_time(self.backup.name, rnd.backup_seconds, b)
+            timed(self.backup.name, rnd.backup_seconds, b)
             state["T_b"] = rnd.backup_seconds / verify_seconds
         self._prev_verify, self._prev_batch = verify_seconds, b
         self._prev_budget = plan.budget if strategy.startswith("ssd+") else 0

@@ -324,11 +324,14 @@ class _RecentMedian:
 
 class _BatchTimes:
     """A time per round as a function of the batch size b: one estimator (`make()`) per b seen, and for
-    a b not seen, the line t = alpha + beta*b through the others (least squares over their estimates,
+    a b not seen, a line t = alpha + beta*b fitted to the others (least squares over their estimates,
     weighted by how often each was measured; alpha, beta >= 0: a forward costs a fixed weight read plus
-    work per sequence). With one b seen, t(b) = t(b0) * (b + B0) / (b0 + B0): B0 sequences cost what the
-    weight read costs (a prior, B0 = BATCH_PRIOR). The batch shrinks at the end of a generation and
-    grows as rollouts are admitted; a time measured at 16 sequences says little about 3 otherwise."""
+    work per sequence). The slope is shrunk towards the prior shape t ∝ b + B0 through the data's mean
+    (B0 = BATCH_PRIOR sequences cost what the weight read costs) with the weight of a spread of B0 in b:
+    with one b seen, or sizes close together (16 and 15 at the end of a generation, whose slope is
+    noise), t(b) = t(b0) * (b + B0) / (b0 + B0); sizes spread widely set the slope themselves. The
+    batch shrinks at the end of a generation and grows as rollouts are admitted; a time measured at 16
+    sequences says little about 3 otherwise."""
 
     BATCH_PRIOR = 4.0
 
@@ -349,14 +352,13 @@ class _BatchTimes:
         if not self.by_batch:
             return None
         points = [(b, est.value, self.counts[b]) for b, est in self.by_batch.items()]
-        if len(points) == 1:
-            b0, t0, _ = points[0]
-            return t0 * (batch + self.BATCH_PRIOR) / (b0 + self.BATCH_PRIOR)
         w = sum(n for _, _, n in points)
         mb = sum(n * b for b, _, n in points) / w
         mt = sum(n * t for _, t, n in points) / w
-        var = sum(n * (b - mb) ** 2 for b, _, n in points)
-        beta = max(0.0, sum(n * (b - mb) * (t - mt) for b, t, n in points) / var)
+        sxx = sum(n * (b - mb) ** 2 for b, _, n in points)
+        sxy = sum(n * (b - mb) * (t - mt) for b, t, n in points)
+        prior_slope, prior_weight = mt / (mb + self.BATCH_PRIOR), w * self.BATCH_PRIOR**2
+        beta = max(0.0, (sxy + prior_weight * prior_slope) / (sxx + prior_weight))
         alpha = mt - beta * mb
         if alpha < 0:  # through the origin instead: t = beta * b
             alpha, beta = 0.0, sum(n * b * t for b, t, n in points) / sum(n * b * b for b, _, n in points)
@@ -377,7 +379,7 @@ class LiveEstimates:
     median of its last DECODE_WINDOW values.
     """
 
-    DECODE_WINDOW = 7
+    DECODE_WINDOW = 15
 
     PATHS = ("hit",) + SPECULATORS
     TIMES = ("verify", "primary", "overhead", "decode") + SPECULATORS
