@@ -392,25 +392,25 @@ class SSDDecode(DecodeStrategy):
             return self.default_strategy
         # the first decision (the strategy so far was a default, not a choice) is taken at once
         decision = self.rule.decide(inputs, current=self.strategy if self._decided else None)
+        chosen, scores = decision.chosen, decision.scores
         if early:  # leave the default only for a strategy clearly better than it, beyond the noise
             margin = 1 + self.config.decide_margin
-            if self.rule.config.fixed is not None or decision.chosen == self.default_strategy \
-                    or decision.scores[decision.chosen] <= decision.scores[self.default_strategy] * margin:
-                return self.default_strategy
-        self._decided = True
-        if decision.chosen != self.strategy:
-            log.info("SSD strategy %s -> %s (b=%d, p_hit=%.3f, scores %s, b*=%.3g)", self.strategy, decision.chosen,
-                     batch, inputs.p_hit, {k: round(v, 2) for k, v in decision.scores.items()}, decision.b_star)
-        log.debug("SSD strategy %s: inputs %s", decision.chosen, inputs)
-        self.strategy = decision.chosen
+            if self.rule.config.fixed is not None or scores[chosen] <= scores[self.default_strategy] * margin:
+                chosen = self.default_strategy
+        self._decided = self._decided or not early or chosen != self.default_strategy
+        if chosen != self.strategy:
+            log.info("SSD strategy %s -> %s (b=%d, p_hit=%.3f, scores %s, b*=%.3g)", self.strategy, chosen,
+                     batch, inputs.p_hit, {k: round(v, 2) for k, v in scores.items()}, decision.b_star)
+        log.debug("SSD strategy %s: inputs %s", chosen, inputs)
+        self.strategy = chosen
         # the rule's own inputs; a round that measures T_p / T_b directly overwrites them (_finish)
         timing = {"T_p": inputs.primary_seconds / inputs.verify_seconds}
         if "neural" in inputs.draft_seconds:
             timing["T_b"] = inputs.draft_seconds["neural"] / inputs.verify_seconds
-        self.stats.set_ssd_state(strategy=decision.chosen, b_star=decision.b_star,
-                                 predicted_speedup=decision.predicted_speedup, scores=dict(decision.scores),
-                                 p_hit_estimate=inputs.p_hit, **timing)
-        return decision.chosen
+        predicted = decision.predicted_speedup * scores[chosen] / scores[decision.chosen]  # of the one run
+        self.stats.set_ssd_state(strategy=chosen, b_star=decision.b_star, predicted_speedup=predicted,
+                                 scores=dict(scores), p_hit_estimate=inputs.p_hit, **timing)
+        return chosen
 
     def _propose(self, running: list[Sequence], ks: list[int], strategy: str, plan: FanoutPlan) -> _Round:
         n = len(running)
