@@ -125,7 +125,7 @@ def padded_mm_t(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """(w @ x.T).T for x [M, K] (a non-contiguous view), computed over gemm_rows(M) rows (the zero rows'
     outputs dropped)."""
     m = x.shape[0]
-    padded = _PAD_SMALL.get(m, m) if m <= 16 else -(-m // 8) * 8  # gemm_rows(m), inlined: a hot path
+    padded = gemm_rows(m)
     if padded == m:
         return torch.mm(w, x.t()).t()
     return torch.mm(w, F.pad(x, (0, 0, 0, padded - m)).t())[:, :m].t()

@@ -102,6 +102,11 @@ class _Round:
     backup_seconds: float = 0.0
     wait_seconds: float = 0.0  # the target's wait for the draft side's chains, request to validated reply
 
+    @property
+    def cold(self) -> bool:
+        """Every sequence is on its first round (a generation's cold start: one-off costs)."""
+        return all(self.first)
+
 
 CALIBRATE_EVERY = 128  # speculating rounds between AR decode-time calibrations, after the warm-up ones
 FIRST_CALIBRATION_GAP = 16  # rounds after the warm-up calibrations (each costs one AR step of the batch)
@@ -349,7 +354,7 @@ class SSDDecode(DecodeStrategy):
         strategy = self._choose(len(running))
         ks = [max(0, min(self.k, s.budget - 1)) for s in running]
         rnd = self._propose(running, ks, strategy, plan)
-        calibration = self._calibrate_decode(running, all(rnd.first)) if strategy != "ar" else 0.0
+        calibration = self._calibrate_decode(running, rnd.cold) if strategy != "ar" else 0.0
         told = False
         if rnd.reply is not None and self.client is not None:  # the draft side that answered hears the chains
             build = strategy.startswith("ssd+")
@@ -478,17 +483,16 @@ class SSDDecode(DecodeStrategy):
         # a round of first rounds only (a generation's cold start) times nothing: it carries one-off costs
         # (weight copies remade after a policy update, first touches of the KV cache) that later rounds
         # do not, and one such time would hold a strategy's estimate down until that strategy runs again
-        cold = all(rnd.first)
-        timed = (lambda name, seconds, batch: None) if cold else est.observe_time
+        timed = (lambda name, seconds, batch: None) if rnd.cold else est.observe_time
         if strategy == "ar":  # a one-token step: AR's time, not a K+1-token verify's (and a calibration)
             timed("decode", verify_seconds, b)
             self._calibrations, self._rounds_since_calibration = self._calibrations + 1, 0
         else:
             timed("verify", verify_seconds, b)
-            self._measured_rounds += not cold
+            self._measured_rounds += not rnd.cold
         # acceptance and tokens per round leave out each sequence's first round: the first tokens after a
-        # prompt are the easiest (3.3-3.6 tokens per round there against 2.7-2.9 later, batch 16 greedy,
-        # unseen prompts), every rollout has one, and the rule decides about the rounds after it
+        # prompt are the easiest (a trace at batch 16 greedy, bench/RESULTS.md), every rollout has one, and
+        # the rule decides about the rounds after it
         groups: dict[str, list[int]] = {}
         for i, path in enumerate(rnd.paths):
             if not rnd.first[i]:
