@@ -150,6 +150,74 @@ def test_rule_leaves_the_default_early_only_for_a_clear_winner(pair48, monkeypat
     engine.close()
 
 
+def test_a_clear_early_choice_stands_by_the_hysteresis(pair48, monkeypatch):
+    """AR taken early for a clear lead (1.5x) stays when its lead drops to 1.2x: above the hysteresis
+    (10%), below decide_margin (30%). AR rounds add no speculating round, so while the early margin
+    still applied after such a choice, the rule went back to the default every round AR led by < 30%."""
+    import rollout_ssd.ssd.strategy as strategy_module
+
+    target, draft = pair48
+    engine = ssd_engine(target, draft, SSDConfig(k=3, strategy_rule=True), 3)
+    ssd = engine.strategy
+    gains = []
+    def scores(inputs, names):
+        gains.append(1.5 if not gains else 1.2)
+        return {n: gains[-1] if n == "ar" else 1.0 for n in names}
+    monkeypatch.setattr(strategy_module, "strategy_scores", scores)
+    chosen, choose = [], ssd._choose
+    ssd._choose = lambda batch: (chosen.append(choose(batch)), chosen[-1])[1]
+    engine.sample(PROMPTS[:3], SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True))
+    # rounds 1 (cold) and 2 run the default before any timed round; the first scored decision takes AR
+    assert chosen[:3] == ["ssd+neural", "ssd+neural", "ar"] and len(chosen) > 6 and set(chosen[2:]) == {"ar"}
+    assert len(gains) == len(chosen) - 2 and gains[1:] and set(gains[1:]) == {1.2}
+    engine.close()
+
+
+def test_hysteresis_keeps_the_choice_made_at_each_batch_size(pair48, monkeypatch):
+    """AR best at 16 sequences, SSD at 4: back at 16 after a tail at 4 the rule runs AR at once (its
+    choice there), not SSD until AR wins switch_after decisions in a row; a batch size never decided
+    at is decided at once."""
+    import rollout_ssd.ssd.strategy as strategy_module
+
+    target, draft = pair48
+    engine = ssd_engine(target, draft, SSDConfig(k=3, strategy_rule=True), 3)
+    ssd = engine.strategy
+    engine.sample(PROMPTS[:3], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
+    assert ssd._decided
+    monkeypatch.setattr(strategy_module, "strategy_scores", lambda inputs, names: {
+        n: (2.0 if n == "ar" else 1.0) if inputs.batch_size >= 8 else (0.5 if n == "ar" else 1.0) for n in names})
+    # the warm-up ran at 1-3 sequences; 4 and 12 are decided here for the first time
+    assert [ssd._choose(b) for b in (16, 4, 16, 12, 16, 4)] == ["ar", "ssd+neural", "ar", "ar", "ar", "ssd+neural"]
+    engine.close()
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_ar_rounds_are_the_ar_engines_steps(pair48, temperature, top_p):
+    """Rounds the rule runs as AR are the AR engine's decode steps: same seed, same tokens and logprobs
+    as the AR engine at T > 0 (through `verify` with empty chains they were draws of the same law, but
+    from a dearer path); then alternating with SSD rounds (the worker catches up), greedy == AR."""
+    target, draft = pair48
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=12, ignore_eos=True, seed=5)
+    ar = ar_engine(target, 3).sample(PROMPTS[:3], params)
+    engine = ssd_engine(target, draft, SSDConfig(k=3, strategy_rule=True), 3)
+    ssd = engine.strategy
+    ssd._choose = lambda batch: "ar"
+    verified = []
+    ssd.verify_round = lambda *a: verified.append(a)  # SD's verification (SDDecode.verify_round): not for AR
+    out = engine.sample(PROMPTS[:3], params)
+    assert not verified
+    del ssd.verify_round
+    assert [o.token_ids for o in out] == [a.token_ids for a in ar]
+    assert torch.allclose(torch.tensor([o.logprobs for o in out]), torch.tensor([a.logprobs for a in ar]), atol=1e-5)
+    assert engine.metrics()["ssd/strategy_rounds"] == {"ar": 11}  # the first token comes from the prefill
+    turns = itertools.cycle(["ar", "ssd+neural", "ar", "ar", "sd"])
+    ssd._choose = lambda batch: next(turns)
+    greedy = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    assert [o.token_ids for o in engine.sample(PROMPTS, greedy)] == \
+        [a.token_ids for a in ar_engine(target, 3).sample(PROMPTS, greedy)]
+    engine.close()
+
+
 # ---- cache construction == independent serial decode of every branch ---------------------------
 
 def _serial_q(model, tokens: list[int], st_params, bend: int, rule: SaguaroRule) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,19 +36,27 @@ import logging
 import threading
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from rollout_ssd.decode import DecodeStrategy
+from rollout_ssd.decode import DecodeStrategy, sample_rows
 from rollout_ssd.metrics import EngineMetrics
 from rollout_ssd.models.decoder import Decoder
 from rollout_ssd.runner import ModelRunner
 from rollout_ssd.sequence import Sequence
 from rollout_ssd.spec.sd import SDDecode
 from rollout_ssd.spec.speculator import Speculator
-from rollout_ssd.spec.verify import DenseDraft, DraftDistribution, MixedDraft, PointDraft, SparseDraft
+from rollout_ssd.spec.verify import (
+    DenseDraft,
+    DraftDistribution,
+    MixedDraft,
+    PointDraft,
+    SparseDraft,
+    VerifyResult,
+)
 from rollout_ssd.ssd.client import DraftClient, LocalDraftClient, WorkerFailure
 from rollout_ssd.ssd.config import SSDConfig
 from rollout_ssd.ssd.draft_server import DraftServer
@@ -108,11 +116,18 @@ class _Round:
         return all(self.first)
 
 
+def batch_bucket(batch: int) -> int:
+    """Batch sizes that share a strategy choice: 1, 2-3, 4-7, 8-15, 16-31, ..."""
+    return batch.bit_length()
+
+
 CALIBRATE_EVERY = 128  # speculating rounds between AR decode-time calibrations, after the warm-up ones
 FIRST_CALIBRATION_GAP = 16  # rounds after the warm-up calibrations (each costs one AR step of the batch)
 
 
 class SSDDecode(DecodeStrategy):
+    verify_round = SDDecode.verify_round  # SD's verification (uses self.runner only)
+
     def __init__(self, runner: ModelRunner, draft_model: Decoder, config: SSDConfig, stats: EngineMetrics,
                  backup: Optional[Speculator] = None, max_model_len: Optional[int] = None):
         if draft_model.cfg.vocab_size != runner.model.cfg.vocab_size:
@@ -145,6 +160,8 @@ class SSDDecode(DecodeStrategy):
                                                 switch_after=config.switch_after))
         self.strategy = self.default_strategy
         self._decided = False
+        self._choices: dict[int, str] = {}  # batch_bucket -> the strategy last chosen at those batch sizes
+        self.trace: Optional[list[dict]] = None  # set to a list to get a record of each round (bench/trace_rule.py)
         self._measured_rounds = 0  # speculating rounds timed so far (SSDConfig.decide_after)
         self.tracks: dict[int, _Track] = {}  # id(seq) -> track
         self.live: dict[int, Sequence] = {}
@@ -362,7 +379,10 @@ class SSDDecode(DecodeStrategy):
                          for s, c, k in zip(running, rnd.chains, ks))
             told = self._send(BuildCache(rows, plan.fanout))
         t2 = time.perf_counter()
-        result = SDDecode.verify_round(self, running, rnd.chains, MixedDraft(rnd.dists))  # uses self.runner only
+        if strategy == "ar":
+            result = self._ar_round(running)
+        else:
+            result = self.verify_round(running, rnd.chains, MixedDraft(rnd.dists))
         t3 = time.perf_counter()
 
         emitted = 0
@@ -383,20 +403,46 @@ class SSDDecode(DecodeStrategy):
             emitted=emitted, draft_seconds=(t2 - t0 - calibration) + (t4 - t3), verify_seconds=t3 - t2,
         )
         self._observe(strategy, plan, rnd, ks, accepted, result.rejected.tolist(), t3 - t2)
+        if self.trace is not None:
+            state = self.stats.ssd_state
+            self.trace.append({
+                "batch": len(running), "strategy": strategy, "cold": rnd.cold, "emitted": emitted,
+                "seconds": time.perf_counter() - t0, "verify_seconds": t3 - t2, "wait_seconds": rnd.wait_seconds,
+                "calibration_seconds": calibration, "paths": dict(Counter(rnd.paths)), "fanout": list(plan.fanout),
+                "scores": dict(state.get("scores", {})), "predicted_speedup": state.get("predicted_speedup"),
+                "p_hit_estimate": state.get("p_hit_estimate")})
         return emitted
+
+    def _ar_round(self, running: list[Sequence]) -> VerifyResult:
+        """An AR round as the AR engine runs it (`ARDecode`: one decode forward, one token drawn from the
+        target law per row), as a verdict with nothing proposed. Not `verify` with empty chains: that
+        builds the target law for a K+1-token verify and judges nothing, and costs more per round."""
+        logits = self.runner.decode([s.slot for s in running], [s.last_token for s in running])
+        tokens, logprobs = sample_rows(running, logits)
+        n = len(running)
+        return VerifyResult(tokens=torch.tensor(tokens, dtype=torch.int64)[:, None],
+                            num_emitted=torch.ones(n, dtype=torch.int64),
+                            num_accepted=torch.zeros(n, dtype=torch.int64),
+                            rejected=torch.zeros(n, dtype=torch.bool),
+                            logprobs=torch.tensor(logprobs, dtype=torch.float32)[:, None])
 
     def _choose(self, batch: int) -> str:
         if self._failed:
             return "sd" if self.client is not None else "ar"
-        early = self._measured_rounds < self.config.decide_after  # few timed rounds yet: noisy estimates
+        # few timed rounds yet: noisy estimates. Over once a strategy was taken for a clear lead (it then
+        # stands by the hysteresis like any choice; AR rounds add no speculating round to the count)
+        early = not self._decided and self._measured_rounds < self.config.decide_after
         if early and not self._measured_rounds:
             return self.default_strategy
         try:
             inputs = self.estimates.inputs(batch)
         except ValueError:  # a time the rule needs was never measured
             return self.default_strategy
-        # the first decision (the strategy so far was a default, not a choice) is taken at once
-        decision = self.rule.decide(inputs, current=self.strategy if self._decided else None)
+        # the hysteresis keeps what was chosen at this batch size (a sample() call's tail at a few
+        # sequences says nothing about the next call's full batch); the first decision at a batch size
+        # (the strategy so far was a default, not a choice) is taken at once
+        bucket = batch_bucket(batch)
+        decision = self.rule.decide(inputs, current=self._choices.get(bucket) if self._decided else None)
         chosen, scores = decision.chosen, decision.scores
         if early:  # leave the default only for a strategy clearly better than it, beyond the noise
             margin = 1 + self.config.decide_margin
@@ -408,6 +454,8 @@ class SSDDecode(DecodeStrategy):
                      batch, inputs.p_hit, {k: round(v, 2) for k, v in scores.items()}, decision.b_star)
         log.debug("SSD strategy %s: inputs %s", chosen, inputs)
         self.strategy = chosen
+        if self._decided:
+            self._choices[bucket] = chosen
         # the rule's own inputs; a round that measures T_p / T_b directly overwrites them (_finish)
         timing = {"T_p": inputs.primary_seconds / inputs.verify_seconds}
         if "neural" in inputs.draft_seconds:
