@@ -33,6 +33,13 @@ def sample_rows(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], 
     return tokens.tolist(), logprobs.tolist()
 
 
+def ar_step(runner: ModelRunner, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
+    """One AR decode step: a decode forward over each row's last token, then one token per row from the
+    target law (with its logprob). The AR engine's round, and the SSD engine's AR rounds."""
+    logits = runner.decode([s.slot for s in seqs], [s.last_token for s in seqs])
+    return sample_rows(seqs, logits)
+
+
 class DecodeStrategy(ABC):
     @abstractmethod
     def step(self, running: list[Sequence]) -> int:
@@ -60,8 +67,7 @@ class ARDecode(DecodeStrategy):
         self.stats = stats
 
     def step(self, running: list[Sequence]) -> int:
-        logits = self.runner.decode([s.slot for s in running], [s.last_token for s in running])
-        tokens, logprobs = sample_rows(running, logits)
+        tokens, logprobs = ar_step(self.runner, running)
         emitted = sum(s.append([t], [lp]) for s, t, lp in zip(running, tokens, logprobs))
         self.stats.add_rounds(len(running), emitted)
         return emitted

@@ -204,8 +204,13 @@ def test_ar_rounds_are_the_ar_engines_steps(pair48, temperature, top_p):
     ssd._choose = lambda batch: "ar"
     verified = []
     ssd.verify_round = lambda *a: verified.append(a)  # SD's verification (SDDecode.verify_round): not for AR
+    ssd.trace = trace = []
     out = engine.sample(PROMPTS[:3], params)
     assert not verified
+    # the per-round record (bench/trace_rule.py): one per round, its tokens the rounds' tokens
+    assert len(trace) == 11 and {r["strategy"] for r in trace} == {"ar"} and [r["batch"] for r in trace] == [3] * 11
+    assert sum(r["emitted"] for r in trace) == 33 and trace[0]["cold"] and not any(r["cold"] for r in trace[1:])
+    assert all(r["seconds"] >= r["verify_seconds"] > 0 for r in trace)
     del ssd.verify_round
     assert [o.token_ids for o in out] == [a.token_ids for a in ar]
     assert torch.allclose(torch.tensor([o.logprobs for o in out]), torch.tensor([a.logprobs for a in ar]), atol=1e-5)

@@ -42,7 +42,7 @@ from typing import Optional
 
 import torch
 
-from rollout_ssd.decode import DecodeStrategy, sample_rows
+from rollout_ssd.decode import DecodeStrategy, ar_step
 from rollout_ssd.metrics import EngineMetrics
 from rollout_ssd.models.decoder import Decoder
 from rollout_ssd.runner import ModelRunner
@@ -417,8 +417,7 @@ class SSDDecode(DecodeStrategy):
         """An AR round as the AR engine runs it (`ARDecode`: one decode forward, one token drawn from the
         target law per row), as a verdict with nothing proposed. Not `verify` with empty chains: that
         builds the target law for a K+1-token verify and judges nothing, and costs more per round."""
-        logits = self.runner.decode([s.slot for s in running], [s.last_token for s in running])
-        tokens, logprobs = sample_rows(running, logits)
+        tokens, logprobs = ar_step(self.runner, running)
         n = len(running)
         return VerifyResult(tokens=torch.tensor(tokens, dtype=torch.int64)[:, None],
                             num_emitted=torch.ones(n, dtype=torch.int64),
@@ -448,7 +447,7 @@ class SSDDecode(DecodeStrategy):
             margin = 1 + self.config.decide_margin
             if self.rule.config.fixed is not None or scores[chosen] <= scores[self.default_strategy] * margin:
                 chosen = self.default_strategy
-        self._decided = self._decided or not early or chosen != self.default_strategy
+        self._decided = not early or chosen != self.default_strategy  # early only while not yet decided
         if chosen != self.strategy:
             log.info("SSD strategy %s -> %s (b=%d, p_hit=%.3f, scores %s, b*=%.3g)", self.strategy, chosen,
                      batch, inputs.p_hit, {k: round(v, 2) for k, v in scores.items()}, decision.b_star)
