@@ -147,6 +147,9 @@ def main(argv=None) -> int:
     p.set_defaults(func=demo)
     _add_generate_parser(sub)
     _add_plot_drift_parser(sub)
+    from rollout_ssd.serve.main import add_parser as add_serve_parser
+
+    add_serve_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     return args.func(args)

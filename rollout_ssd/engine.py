@@ -4,9 +4,11 @@ The engine owns the scheduler loop, the target runner and a decode strategy ("ar
 plug in behind the same `DecodeStrategy` interface). It knows tokenization only at its edges:
 prompts in, text out. Everything in between is token ids.
 
-Loop (continuous batching): admit waiting sequences into free KV slots and prefill them in one
-ragged batch (sampling each one's first token from the prefill logits), then advance every running
-sequence by one round of the decode strategy; finished sequences free their slot at once.
+Loop (continuous batching, scheduler.py): admit waiting sequences into free KV slots and prefill them
+in one ragged batch (sampling each one's first token from the prefill logits), then advance every
+running sequence by one round of the decode strategy; finished sequences free their slot at once.
+`sample` is one blocking call; `submit` queues a request that joins the running batch at the next
+round (the server's path), with its own sampling parameters, seed, progress listener and cancel.
 """
 
 from __future__ import annotations
@@ -17,8 +19,7 @@ import numbers
 import queue
 import threading
 import time
-from collections import deque
-from typing import Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 from typing import Sequence as Seq
 
 import torch
@@ -33,6 +34,7 @@ from rollout_ssd.named_update import NamedUpdate
 from rollout_ssd.params import Rollout, SamplingParams
 from rollout_ssd.runner import ModelRunner
 from rollout_ssd.sampling import sequence_generator
+from rollout_ssd.scheduler import Request, Scheduler
 from rollout_ssd.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -66,12 +68,15 @@ class RolloutEngine:
         self.stats = EngineMetrics()
         self._pending: queue.Queue = queue.Queue()
         self._apply_lock = threading.Lock()
-        self._sampling = False
         self._sync_rejected = 0
         self._receiver_threads: list = []
         self.strategy: DecodeStrategy = self._make_strategy(spec, draft)
+        self.scheduler = Scheduler(self.runner, between_rounds=self._apply_pending, prefill=self._prefill,
+                                   step=lambda running: self.strategy.step(running), release=self._release,
+                                   version=lambda: self.weight_version, add_time=self.stats.add_time)
         # draft weight sync (draft_sync.py): draft updates, applied between rounds like target updates
-        self.draft_sync = DraftSync(lambda: self.strategy, self.target.model.hf_parameters, lambda: self._sampling)
+        self.draft_sync = DraftSync(lambda: self.strategy, self.target.model.hf_parameters,
+                                    lambda: self.scheduler.driving)
         self._closed = False
 
     @classmethod
@@ -145,6 +150,33 @@ class RolloutEngine:
         of one big call when each part passes its prompts' global indices."""
         self._check_open()
         params = params or SamplingParams()
+        request = self._request(prompts, params, prompt_indices, bar=self._bar(prompts, params) if progress else None)
+        if request.seqs:
+            self.scheduler.run(request)
+        return request.result()
+
+    def submit(self, prompts: Seq[Prompt], params: Optional[SamplingParams] = None,
+               prompt_indices: Optional[Seq[int]] = None, listener: Optional[Callable] = None) -> Request:
+        """Queue a request without blocking; it joins the running batch at the next round. Validates as
+        `sample` does (ValueError before anything is queued). Returns a `scheduler.Request`: `result()`
+        blocks for the rollouts, `cancel()` frees its slots at the next round, `listener(request,
+        finished)` is called on the scheduler's thread after each round that emitted tokens for it."""
+        self._check_open()
+        request = self._request(prompts, params, prompt_indices, listener=listener)
+        self.scheduler.start()
+        if request.seqs:
+            self.scheduler.submit(request)
+        return request
+
+    def pause(self) -> None:
+        """Stop running rounds (weight updates still apply); running sequences keep their place."""
+        self.scheduler.pause()
+
+    def resume(self) -> None:
+        self.scheduler.resume()
+
+    def _request(self, prompts, params, prompt_indices, listener=None, bar=None) -> Request:
+        params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompt_ids = self._tokenize(prompts, params)
@@ -160,19 +192,43 @@ class RolloutEngine:
                 raise ValueError("prompt_indices must be distinct")
             indices = [int(i) for i in indices]
         seqs = [self._new_sequence(idx, j, ids, params) for idx, ids in zip(indices, prompt_ids) for j in range(params.n)]
-        if seqs:
-            self._generate(seqs, progress)
-        tok = self.target.tokenizer
+        return Request(seqs, listener=listener, bar=bar, build=self._rollouts)
+
+    @staticmethod
+    def _bar(prompts, params):
+        from tqdm.auto import tqdm
+
+        return tqdm(total=len(prompts) * params.n, desc="rollouts", unit="seq")
+
+    def _rollouts(self, seqs: list[Sequence]) -> list[Rollout]:
         return [
             Rollout(
                 prompt_index=s.prompt_index, sample_index=s.sample_index, prompt_token_ids=s.prompt_token_ids,
-                token_ids=s.token_ids, logprobs=s.logprobs,
-                text=tok.decode(s.token_ids, skip_special_tokens=True) if tok is not None else None,
-                finish_reason=s.finish_reason, weight_version=max(s.versions),
-                extra={"weight_versions": sorted(s.versions)} if len(s.versions) > 1 else {},
+                token_ids=s.token_ids, logprobs=s.logprobs, text=self._text(s),
+                finish_reason=s.finish_reason, weight_version=max(s.versions, default=self.weight_version),
+                extra=self._extra(s),
             )
             for s in seqs
         ]
+
+    @staticmethod
+    def _extra(seq: Sequence) -> dict:
+        extra = {}
+        if len(seq.versions) > 1:
+            extra["weight_versions"] = sorted(seq.versions)
+        if seq.stop_string is not None:
+            extra["stop_string"] = seq.stop_string
+        return extra
+
+    def _text(self, seq: Sequence) -> Optional[str]:
+        """The rollout's text; with a stop string, the text before its first occurrence (as vLLM)."""
+        tok = self.target.tokenizer
+        if tok is None:
+            return None
+        text = tok.decode(seq.token_ids, skip_special_tokens=True)
+        if seq.stop_string is not None:
+            text = text[:text.find(seq.stop_string)] if seq.stop_string in text else text
+        return text
 
     def tokenize(self, prompts: Seq[Prompt], params: Optional[SamplingParams] = None) -> list[list[int]]:
         """The token ids `sample` would generate from (chat template applied if params.chat), with
@@ -187,8 +243,7 @@ class RolloutEngine:
         update = NamedUpdate(named_tensors, version, what="update_weights")
         update.validate(self.target.model.hf_parameters(), self.weight_version)
         self._pending.put(update)
-        if not self._sampling:
-            self._apply_pending([])
+        self.scheduler.when_idle(lambda: self._apply_pending([]))
 
     def attach_receiver(self, receiver) -> None:
         """Serve a `weight_sync.WeightReceiver`: a background thread receives and verifies transfers;
@@ -211,8 +266,7 @@ class RolloutEngine:
                         return
                     continue
                 self._pending.put(staged)
-                if not self._sampling:
-                    self._apply_pending([])
+                self.scheduler.when_idle(lambda: self._apply_pending([]))
 
         thread = threading.Thread(target=loop, name="rollout-ssd-weight-receiver", daemon=True)
         thread.start()
@@ -274,8 +328,9 @@ class RolloutEngine:
 
     def close(self) -> None:
         if not self._closed:
-            self.strategy.close()
             self._closed = True
+            self.scheduler.close()
+            self.strategy.close()
 
     def __enter__(self):
         return self
@@ -330,45 +385,24 @@ class RolloutEngine:
             stop |= set(self.target.model.cfg.eos_token_ids)
         return Sequence(prompt_index=i, sample_index=j, prompt_token_ids=ids, params=params,
                         generator=sequence_generator(params.seed, i, j), stop_ids=frozenset(stop),
-                        max_total_len=self.max_model_len)
+                        max_total_len=self.max_model_len, stop_text=self._stop_text(params.stop))
 
-    def _generate(self, seqs: list[Sequence], progress: bool) -> None:
-        waiting = deque(seqs)
-        running: list[Sequence] = []
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
+    def _stop_text(self, stops: Optional[tuple[str, ...]]):
+        """A check for stop strings: decodes the last few tokens (enough to hold the longest stop string,
+        since a string that just completed ends inside them) and names the stop string they end in."""
+        if not stops:
+            return None
+        tok = self.target.tokenizer
+        if tok is None:
+            raise ValueError("SamplingParams.stop needs a tokenizer; this model has none (use stop_token_ids)")
+        window = max(len(x) for x in stops) + 8
 
-            bar = tqdm(total=len(seqs), desc="rollouts", unit="seq")
-        start, produced = time.perf_counter(), 0
-        self._sampling = True
-        try:
-            while waiting or running:
-                self._apply_pending(running)
-                admitted = []
-                while waiting and self.runner.cache.num_free > 0:
-                    seq = waiting.popleft()
-                    seq.slot = self.runner.allocate()
-                    admitted.append(seq)
-                if admitted:
-                    running.extend(admitted)  # before the prefill, so a failure in it releases them too
-                    produced += self._prefill(admitted)
-                running = self._retire(running, bar)
-                if running:
-                    produced += self.strategy.step(running)
-                    running = self._retire(running, bar)
-                if bar is not None:
-                    bar.set_postfix_str(f"{produced / (time.perf_counter() - start):.0f} tok/s", refresh=False)
-        except BaseException:
-            for seq in running:
-                self._release(seq)
-            raise
-        finally:
-            self._sampling = False
-            if bar is not None:
-                bar.close()
-        self._apply_pending([])
-        self.stats.add_time(time.perf_counter() - start, produced)
+        def check(token_ids: list[int]) -> Optional[str]:
+            text = tok.decode(token_ids[-window:], skip_special_tokens=True)
+            hits = [(text.find(x), x) for x in stops if x in text]
+            return min(hits)[1] if hits else None
+
+        return check
 
     def _prefill(self, seqs: list[Sequence]) -> int:
         t0 = time.perf_counter()
@@ -379,18 +413,6 @@ class RolloutEngine:
         produced = sum(s.append([t], [lp]) for s, t, lp in zip(seqs, tokens, logprobs))
         self.stats.add_prefill(time.perf_counter() - t0, produced)
         return produced
-
-    def _retire(self, running: list[Sequence], bar) -> list[Sequence]:
-        still = []
-        for seq in running:
-            seq.versions.add(self.weight_version)
-            if seq.finished:
-                self._release(seq)
-                if bar is not None:
-                    bar.update(1)
-            else:
-                still.append(seq)
-        return still
 
     def _release(self, seq: Sequence) -> None:
         if seq.slot >= 0:

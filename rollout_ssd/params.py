@@ -21,6 +21,7 @@ class SamplingParams:
     stop_token_ids: Optional[tuple[int, ...]] = None
     ignore_eos: bool = False
     chat: bool = False
+    stop: Optional[tuple[str, ...]] = None  # stop strings (as vLLM's): the text ends before the first one
 
     def __post_init__(self):
         if not isinstance(self.n, int) or self.n < 1:
@@ -43,6 +44,11 @@ class SamplingParams:
             if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
                 raise ValueError(f"SamplingParams.stop_token_ids must be non-negative integers, got {ids!r}")
             object.__setattr__(self, "stop_token_ids", ids)
+        if self.stop is not None:
+            stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+            if not isinstance(stop, Iterable) or any(not isinstance(x, str) or not x for x in stop):
+                raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
+            object.__setattr__(self, "stop", tuple(stop) or None)
 
     @property
     def greedy(self) -> bool:

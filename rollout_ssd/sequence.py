@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -24,6 +24,10 @@ class Sequence:
     finish_reason: Optional[str] = None
     slot: int = -1
     versions: set = field(default_factory=set)  # weight versions its tokens were verified under
+    request_id: int = -1  # the scheduler's Request this sequence belongs to
+    # stop strings: stop_text(token_ids) -> the stop string the text now ends with, or None
+    stop_text: Optional[Callable[[list[int]], Optional[str]]] = None
+    stop_string: Optional[str] = None
 
     @property
     def finished(self) -> bool:
@@ -59,6 +63,8 @@ class Sequence:
             kept += 1
             if int(tok) in self.stop_ids:
                 self.finish_reason = "stop"
+            elif self.stop_text is not None and (hit := self.stop_text(self.token_ids)) is not None:
+                self.finish_reason, self.stop_string = "stop", hit
             elif self.budget <= 0:
                 self.finish_reason = "length"
         return kept

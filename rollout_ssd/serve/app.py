@@ -1,0 +1,412 @@
+"""The ASGI app of `rollout-ssd serve`: OpenAI-compatible generation over one `RolloutEngine`.
+
+Every HTTP request becomes one engine request (`RolloutEngine.submit`), which joins the running
+batch at the next round; the engine's background scheduler drives the rounds, so HTTP handlers only
+wait. A client that disconnects cancels its request (its KV slots are freed before the next round);
+the other requests are untouched. Weight updates (from a checkpoint on disk, or a torch.distributed
+weight-sync group) are applied between rounds, and every choice reports the version it was sampled
+under. Bad requests get HTTP 400 with OpenAI's error shape, `param` naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from pathlib import Path
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from rollout_ssd.serve.metrics import prometheus_text
+from rollout_ssd.serve.protocol import (
+    BadRequest,
+    ChatRequest,
+    CompletionRequest,
+    check_chat,
+    check_completion,
+    completion_prompts,
+    sampling_params,
+)
+from rollout_ssd.serve.render import Renderer, TextStream, new_id
+
+log = logging.getLogger(__name__)
+
+# how often a waiting handler checks whether its client is still there
+DISCONNECT_POLL_S = 0.25
+
+
+def _error(status: int, message: str, param: Optional[str] = None, kind: str = "invalid_request_error"):
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status)
+
+
+def _validation_param(err: ValidationError) -> tuple[str, str]:
+    first = err.errors()[0]
+    loc = [str(x) for x in first.get("loc", ())]
+    # a union's member name (e.g. 'str', 'list[int]') follows the field's own name in the location
+    param = loc[0] if loc else "body"
+    where = ".".join(loc) or "body"
+    if first.get("type") == "extra_forbidden":
+        return param, f"unknown field {where!r}"
+    return param, f"{where}: {first.get('msg')}"
+
+
+class _ApiKey:
+    """Plain ASGI middleware (Starlette's BaseHTTPMiddleware would hide client disconnects from the
+    handlers): every path but /health and /metrics needs 'Authorization: Bearer KEY'."""
+
+    OPEN = ("/health", "/metrics")
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in self.OPEN:
+            given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                await _error(401, "missing or wrong API key", kind="authentication_error")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class Server:
+    """The app's state: the engine, its tokenizer and name, and the request counters /metrics exports."""
+
+    def __init__(self, engine, model_name: str, api_key: Optional[str] = None, default_max_tokens: int = 16):
+        self.engine = engine
+        self.model_name = model_name
+        self.api_key = api_key
+        self.default_max_tokens = default_max_tokens
+        self.tokenizer = engine.target.tokenizer
+        self.renderer = Renderer(self.tokenizer, model_name, engine.target.model.cfg.eos_token_ids)
+        self.counts = {"requests": 0, "finished": 0, "aborted": 0, "rejected": 0, "prompt_tokens": 0,
+                       "generation_tokens": 0}
+        self.receiver_attached = False
+
+    async def body(self, raw: Request, schema: type[BaseModel]):
+        try:
+            data = json.loads(await raw.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise BadRequest(f"the body is not valid JSON: {err}", "body") from None
+        if not isinstance(data, dict):
+            raise BadRequest("the body must be a JSON object", "body")
+        try:
+            return schema.model_validate(data)
+        except ValidationError as err:
+            param, message = _validation_param(err)
+            raise BadRequest(message, param) from None
+
+    def check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.model_name:
+            raise BadRequest(f"unknown model {model!r}; this server serves {self.model_name!r}", "model")
+
+    def seed(self, seed: Optional[int]) -> int:
+        return secrets.randbits(63) if seed is None else seed
+
+    def submit(self, prompts, params, field: str, listener):
+        try:
+            request = self.engine.submit(prompts, params, listener=listener)
+        except ValueError as err:
+            raise BadRequest(str(err), field) from None
+        self.counts["requests"] += 1
+        self.counts["prompt_tokens"] += sum(len(s.prompt_token_ids) for s in request.seqs[::params.n])
+        return request
+
+    def finished(self, request) -> None:
+        aborted = any(s.finish_reason == "abort" for s in request.seqs)
+        self.counts["aborted" if aborted else "finished"] += 1
+        self.counts["generation_tokens"] += request.num_tokens
+
+    def chat_prompt(self, req: ChatRequest) -> list[int]:
+        if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:
+            raise BadRequest("this model has no chat template; use /v1/completions", "messages")
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+                continue_final_message=req.continue_final_message, tokenize=True, **(req.chat_template_kwargs or {}))
+        except Exception as err:  # a template that cannot render these messages is the request's fault
+            raise BadRequest(f"the chat template could not render these messages: {err}", "messages") from None
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        return [int(t) for t in ids]
+
+
+async def _wait(server: Server, raw: Request, request, events: asyncio.Queue) -> bool:
+    """Wait for an engine request; False (and cancelled) if the client went away first."""
+    while not request.done():
+        try:
+            await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            pass
+        if not request.done() and await raw.is_disconnected():
+            request.cancel()
+            await asyncio.to_thread(request.wait)
+            server.finished(request)
+            return False
+    server.finished(request)
+    return True
+
+
+def _listener(loop: asyncio.AbstractEventLoop, events: asyncio.Queue):
+    return lambda request, finished: loop.call_soon_threadsafe(events.put_nowait, finished)
+
+
+async def _generate(server: Server, raw: Request, prompts, params, field: str, render, stream_chunk=None,
+                    include_usage: bool = False):
+    """Submit, then answer with one JSON body, or (stream_chunk given) an SSE stream of chunks."""
+    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    request = server.submit(prompts, params, field, _listener(loop, events))
+    if stream_chunk is None:
+        if not await _wait(server, raw, request, events):
+            return Response(status_code=499)
+        try:
+            return JSONResponse(render(request.result()))
+        except Exception as err:  # the round failed; the engine released its slots
+            log.exception("request failed")
+            return _error(500, f"generation failed: {err}", kind="internal_error")
+
+    async def events_stream():
+        texts = [TextStream(server.tokenizer, params.stop) for _ in request.seqs]
+        try:
+            while True:
+                finished = await events.get()
+                rollouts = request.result() if finished else None
+                for index, seq in enumerate(request.seqs):
+                    chunk = stream_chunk(index, seq, texts[index], rollouts[index] if rollouts else None)
+                    if chunk is not None:
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                if finished:
+                    if include_usage:
+                        usage = server.renderer.usage(rollouts, params.n)
+                        yield f"data: {json.dumps({'id': new_id('cmpl'), 'choices': [], 'usage': usage})}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+        except Exception as err:
+            yield f"data: {json.dumps({'error': {'message': str(err), 'type': 'internal_error', 'code': 500}})}\n\n"
+        finally:
+            if not request.done():
+                request.cancel()
+            server.finished(request)
+
+    return StreamingResponse(events_stream(), media_type="text/event-stream")
+
+
+def _stream_piece(seq, text: TextStream, rollout, as_ids: bool, renderer: Renderer):
+    """New tokens, logprobs and text of one sequence since the last chunk (all of them once it is done)."""
+    if rollout is not None:
+        ids, lps = rollout.token_ids, rollout.logprobs
+    else:  # the scheduler thread appends a token before its logprob: take the pairs complete now
+        lps = list(seq.logprobs)
+        ids = list(seq.token_ids[:len(lps)])
+    new_ids, new_lps = ids[text.tokens_sent:], list(lps[text.tokens_sent:])
+    text.tokens_sent = len(ids)
+    delta = text.delta(ids, rollout.text if rollout is not None else None)
+    if not new_ids and not delta and rollout is None:
+        return None
+    pieces = [renderer.piece(t, as_ids) for t in new_ids]
+    return new_ids, new_lps, pieces, delta
+
+
+def build_app(engine, model_name: str, api_key: Optional[str] = None, default_max_tokens: int = 16) -> FastAPI:
+    server = Server(engine, model_name, api_key, default_max_tokens)
+    app = FastAPI(title="rollout-ssd", docs_url=None, redoc_url=None)
+    app.state.server = server
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_, err: BadRequest):
+        server.counts["rejected"] += 1
+        return _error(400, str(err), err.param)
+
+    if api_key is not None:
+        app.add_middleware(_ApiKey, key=api_key)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "rollout-ssd",
+                                            "max_model_len": engine.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        req = await server.body(raw, CompletionRequest)
+        server.check_model(req.model)
+        check_completion(req)
+        params = sampling_params(req, req.max_tokens, server.default_max_tokens, server.seed(req.seed))
+        prompts = completion_prompts(req.prompt)
+        as_ids = req.return_tokens_as_token_ids
+        render = lambda rollouts: server.renderer.completion(rollouts, params.n, req.logprobs, req.return_token_ids, as_ids)
+        chunk = None
+        if req.stream:
+            cid = new_id("cmpl")
+
+            def chunk(index, seq, text, rollout):
+                piece = _stream_piece(seq, text, rollout, as_ids, server.renderer)
+                if piece is None:
+                    return None
+                ids, lps, pieces, delta = piece
+                choice = {"index": index, "text": delta, "finish_reason": rollout.finish_reason if rollout else None,
+                          "logprobs": {"tokens": pieces, "token_logprobs": lps, "top_logprobs": [
+                              {p: lp} for p, lp in zip(pieces, lps)]} if req.logprobs is not None else None}
+                if req.return_token_ids:
+                    choice["token_ids"] = ids
+                    if rollout is not None:
+                        choice["prompt_token_ids"] = rollout.prompt_token_ids
+                return {"id": cid, "object": "text_completion", "created": 0, "model": model_name, "choices": [choice]}
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await _generate(server, raw, prompts, params, "prompt", render, chunk, include_usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat(raw: Request):
+        req = await server.body(raw, ChatRequest)
+        server.check_model(req.model)
+        check_chat(req)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        budget = max(1, engine.max_model_len - 1)
+        params = sampling_params(req, max_tokens, budget, server.seed(req.seed))
+        prompt = server.chat_prompt(req)
+        as_ids = req.return_tokens_as_token_ids
+        render = lambda rollouts: server.renderer.chat(rollouts, req.logprobs, req.return_token_ids, as_ids)
+        chunk = None
+        if req.stream:
+            cid = new_id("chatcmpl")
+
+            def chunk(index, seq, text, rollout):
+                piece = _stream_piece(seq, text, rollout, as_ids, server.renderer)
+                if piece is None:
+                    return None
+                ids, lps, pieces, delta = piece
+                choice = {"index": index, "delta": {"role": "assistant", "content": delta},
+                          "finish_reason": rollout.finish_reason if rollout else None,
+                          "logprobs": {"content": [{"token": p, "logprob": lp, "top_logprobs": []}
+                                                   for p, lp in zip(pieces, lps)]} if req.logprobs else None}
+                if req.return_token_ids:
+                    choice["token_ids"] = ids
+                return {"id": cid, "object": "chat.completion.chunk", "created": 0, "model": model_name,
+                        "choices": [choice]}
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await _generate(server, raw, [prompt], params, "messages", render, chunk, include_usage)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus_text(engine, server), media_type="text/plain; version=0.0.4")
+
+    _control_routes(app, server)
+    return app
+
+
+def _control_routes(app: FastAPI, server: Server) -> None:
+    """vLLM's dev-mode control endpoints an RL trainer calls (names and JSON shapes), and weight updates."""
+    engine = server.engine
+
+    @app.post("/pause")
+    async def pause():
+        engine.pause()
+        return {"paused": True}
+
+    @app.post("/resume")
+    async def resume():
+        engine.resume()
+        return {"paused": False}
+
+    @app.get("/is_paused")
+    async def is_paused():
+        return {"is_paused": engine.scheduler.paused}
+
+    @app.get("/weight_info")
+    async def weight_info():
+        return {"weight_version": engine.weight_version}
+
+    @app.get("/get_world_size")
+    async def world_size():
+        return {"world_size": 1}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        return {"success": True}  # no prefix cache: KV never outlives its sequence
+
+    @app.get("/server_info")
+    async def server_info():
+        cfg = {"model_config": {"model": server.model_name, "dtype": str(engine.target.model.dtype),
+                                "max_model_len": engine.max_model_len},
+               "weight_transfer_config": {"backend": "rollout_ssd"}, "method": engine.spec.method}
+        return {"vllm_config": cfg}
+
+    @app.post("/update_weights_from_disk")
+    async def update_from_disk(raw: Request):
+        data = await _json_object(raw)
+        unknown = sorted(set(data) - {"model_path", "weight_version"})
+        if unknown:
+            raise BadRequest(f"unknown field {unknown[0]!r}", unknown[0])
+        path = data.get("model_path")
+        if not isinstance(path, str) or not Path(path).is_dir():
+            raise BadRequest(f"model_path must be a checkpoint directory, got {path!r}", "model_path")
+        version = data.get("weight_version", engine.weight_version + 1)
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise BadRequest(f"weight_version must be an integer, got {version!r}", "weight_version")
+        from rollout_ssd.models.loader import load_safetensors_dir
+
+        try:
+            state = await asyncio.to_thread(load_safetensors_dir, Path(path))
+            await asyncio.to_thread(engine.update_weights, state.items(), version)
+        except ValueError as err:
+            raise BadRequest(str(err), "model_path") from None
+        return {"success": True, "weight_version": version}
+
+    @app.post("/init_weight_transfer_engine")
+    async def init_weight_transfer(raw: Request):
+        data = await _json_object(raw)
+        info = data.get("init_info")
+        if not isinstance(info, dict):
+            raise BadRequest("init_info must be an object", "init_info")
+        if server.receiver_attached:
+            raise BadRequest("a weight-transfer group is already attached", "init_info")
+        await asyncio.to_thread(_join_weight_sync, engine, info)
+        server.receiver_attached = True
+        return {"success": True}
+
+
+async def _json_object(raw: Request) -> dict:
+    try:
+        data = json.loads(await raw.body() or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise BadRequest(f"the body is not valid JSON: {err}", "body") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the body must be a JSON object", "body")
+    return data
+
+
+def _join_weight_sync(engine, info: dict) -> None:
+    """Join a learner's torch.distributed (gloo) group as rank `rank_offset` and serve its transfers
+    (rollout_ssd.weight_sync: manifests, checksums, full and delta updates, versions)."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from rollout_ssd.weight_sync import DistributedTransport, WeightReceiver
+
+    allowed = {"init_method", "master_address", "master_port", "rank_offset", "world_size", "backend", "timeout"}
+    unknown = sorted(set(info) - allowed)
+    if unknown:
+        raise BadRequest(f"unknown field 'init_info.{unknown[0]}'", f"init_info.{unknown[0]}")
+    backend = info.get("backend", "gloo")
+    if backend != "gloo":
+        raise BadRequest(f"init_info.backend {backend!r} is not available on this server (gloo)", "init_info.backend")
+    init_method = info.get("init_method") or f"tcp://{info.get('master_address')}:{info.get('master_port')}"
+    rank, world = info.get("rank_offset", 1), info.get("world_size", 2)
+    timeout = float(info.get("timeout", 60.0))
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (rank, world)) or not 0 < rank < world:
+        raise BadRequest("init_info.rank_offset must be an integer in [1, world_size)", "init_info.rank_offset")
+    if dist.is_initialized():
+        raise BadRequest("this process already belongs to a torch.distributed group", "init_info")
+    if "//127." in init_method or "//localhost" in init_method or init_method.startswith("file://"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout))
+    engine.attach_receiver(WeightReceiver(DistributedTransport(src=0, timeout=timeout)))

@@ -1,0 +1,119 @@
+"""Response bodies of the OpenAI / vLLM-compatible endpoints, built from rollouts.
+
+Choices come out prompt-major (the n samples of prompt 0, then prompt 1, ...), as vLLM returns them.
+Logprobs are the engine's (DESIGN.md): log softmax(logits / T) over the full vocabulary, before
+top-k / top-p truncation; they equal vLLM's `processed_logprobs` when top_k and top_p are off.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Optional
+
+from rollout_ssd.params import Rollout
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class Renderer:
+    """Token strings and text for one served model (tokenizer may be None: token-id prompts only)."""
+
+    def __init__(self, tokenizer, model_name: str, eos_ids: tuple[int, ...]):
+        self.tokenizer = tokenizer
+        self.model = model_name
+        self.eos_ids = frozenset(eos_ids)
+
+    def piece(self, token_id: int, as_ids: bool) -> str:
+        if as_ids or self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
+    def stop_reason(self, r: Rollout):
+        """vLLM's stop_reason: the stop string or stop token id that ended it; None for EOS or length."""
+        if r.finish_reason != "stop":
+            return None
+        if "stop_string" in r.extra:
+            return r.extra["stop_string"]
+        last = r.token_ids[-1] if r.token_ids else None
+        return None if last in self.eos_ids else last
+
+    def completion_logprobs(self, r: Rollout, as_ids: bool) -> dict:
+        tokens = [self.piece(t, as_ids) for t in r.token_ids]
+        offsets, at = [], 0
+        for piece in tokens:
+            offsets.append(at)
+            at += len(piece)
+        return {"tokens": tokens, "token_logprobs": list(r.logprobs), "text_offset": offsets,
+                "top_logprobs": [{p: lp} for p, lp in zip(tokens, r.logprobs)]}
+
+    def chat_logprobs(self, r: Rollout, as_ids: bool) -> dict:
+        content = []
+        for t, lp in zip(r.token_ids, r.logprobs):
+            piece = self.piece(t, as_ids)
+            content.append({"token": piece, "logprob": lp, "bytes": list(piece.encode("utf-8")), "top_logprobs": []})
+        return {"content": content}
+
+    @staticmethod
+    def usage(rollouts: list[Rollout], n: int) -> dict:
+        prompt = sum(len(r.prompt_token_ids) for r in rollouts[::n])
+        completion = sum(len(r.token_ids) for r in rollouts)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def completion(self, rollouts: list[Rollout], n: int, logprobs: Optional[int], return_ids: bool,
+                   as_ids: bool) -> dict:
+        choices = []
+        for index, r in enumerate(rollouts):
+            choice = {"index": index, "text": r.text or "", "finish_reason": r.finish_reason,
+                      "stop_reason": self.stop_reason(r), "weight_version": r.weight_version,
+                      "logprobs": self.completion_logprobs(r, as_ids) if logprobs is not None else None}
+            if return_ids:
+                choice["token_ids"] = list(r.token_ids)
+                choice["prompt_token_ids"] = list(r.prompt_token_ids)
+            choices.append(choice)
+        return {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": self.model,
+                "choices": choices, "usage": self.usage(rollouts, n)}
+
+    def chat(self, rollouts: list[Rollout], logprobs: bool, return_ids: bool, as_ids: bool) -> dict:
+        choices = []
+        for index, r in enumerate(rollouts):
+            choice = {"index": index, "message": {"role": "assistant", "content": r.text or ""},
+                      "finish_reason": r.finish_reason, "stop_reason": self.stop_reason(r),
+                      "weight_version": r.weight_version,
+                      "logprobs": self.chat_logprobs(r, as_ids) if logprobs else None}
+            if return_ids:
+                choice["token_ids"] = list(r.token_ids)
+            choices.append(choice)
+        body = {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
+                "model": self.model, "choices": choices, "usage": self.usage(rollouts, len(rollouts))}
+        if return_ids and rollouts:
+            body["prompt_token_ids"] = list(rollouts[0].prompt_token_ids)
+        return body
+
+
+class TextStream:
+    """Incremental text of one sequence for streaming: sends only text that can no longer change (a
+    trailing partial UTF-8 character, or a tail that may still grow into a stop string, is held back)."""
+
+    def __init__(self, tokenizer, stops: Optional[tuple[str, ...]]):
+        self.tokenizer = tokenizer
+        self.stops = stops or ()
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.sent = 0
+        self.tokens_sent = 0
+
+    def delta(self, token_ids: list[int], final_text: Optional[str]) -> str:
+        if self.tokenizer is None:
+            return ""
+        if final_text is not None:
+            text = final_text
+        else:
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+            text = text.rstrip("\ufffd")
+            if self.stops:
+                text = text[:max(self.sent, len(text) - self.hold)]
+        out = text[self.sent:]
+        self.sent = max(self.sent, len(text))
+        return out
