@@ -166,6 +166,8 @@ class RolloutEngine:
         self.scheduler.start()
         if request.seqs:
             self.scheduler.submit(request)
+        elif listener is not None:
+            listener(request, True)
         return request
 
     def pause(self) -> None:
@@ -388,14 +390,14 @@ class RolloutEngine:
                         max_total_len=self.max_model_len, stop_text=self._stop_text(params.stop))
 
     def _stop_text(self, stops: Optional[tuple[str, ...]]):
-        """A check for stop strings: decodes the last few tokens (enough to hold the longest stop string,
-        since a string that just completed ends inside them) and names the stop string they end in."""
+        """A check for stop strings: decodes the last few tokens (enough to hold the longest stop string's
+        bytes, since a string that just completed ends inside them) and names the stop string found."""
         if not stops:
             return None
         tok = self.target.tokenizer
         if tok is None:
             raise ValueError("SamplingParams.stop needs a tokenizer; this model has none (use stop_token_ids)")
-        window = max(len(x) for x in stops) + 8
+        window = max(len(x.encode("utf-8")) for x in stops) + 8  # every token decodes to >= 1 byte
 
         def check(token_ids: list[int]) -> Optional[str]:
             text = tok.decode(token_ids[-window:], skip_special_tokens=True)
