@@ -228,9 +228,8 @@ class RolloutEngine:
         if tok is None:
             return None
         text = tok.decode(seq.token_ids, skip_special_tokens=True)
-        if seq.stop_string is not None:
-            text = text[:text.find(seq.stop_string)] if seq.stop_string in text else text
-        return text
+        cut = text.find(seq.stop_string) if seq.stop_string is not None else -1
+        return text if cut < 0 else text[:cut]
 
     def tokenize(self, prompts: Seq[Prompt], params: Optional[SamplingParams] = None) -> list[list[int]]:
         """The token ids `sample` would generate from (chat template applied if params.chat), with

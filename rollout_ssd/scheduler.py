@@ -84,6 +84,9 @@ class Request:
 
     def _notify(self, finished: bool) -> None:
         emitted = self.num_tokens
+        if self.bar is not None and emitted != self._emitted:
+            rate = emitted / max(time.perf_counter() - self.submitted_at, 1e-9)
+            self.bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
         if self.listener is not None and (finished or emitted != self._emitted):
             try:
                 self.listener(self, finished)
@@ -224,6 +227,11 @@ class Scheduler:
             self._driving = True
             return True
 
+    def _stop_driving(self) -> None:
+        """(Under the lock.) This driver is done; wake the background driver or a waiting caller."""
+        self._driving = False
+        self._cond.notify_all()
+
     def _serve(self) -> None:
         while True:
             with self._cond:
@@ -231,8 +239,8 @@ class Scheduler:
                     self._cond.wait()
                 if self._closed:
                     return
-                if self._driving:  # an inline driver is finishing its last round
-                    self._cond.wait(0.01)
+                if self._driving:  # an inline driver is running; it notifies when it stops
+                    self._cond.wait()
                     continue
                 self._driving = True
             try:
@@ -258,7 +266,7 @@ class Scheduler:
                     with self._cond:
                         self._take_inbox()
                         if not self._live or self._closed:
-                            self._driving = False
+                            self._stop_driving()
                             break
                     continue
                 if paused:
@@ -270,7 +278,7 @@ class Scheduler:
             with self._cond:
                 self._take_inbox()
                 self._fail_all(err)
-                self._driving = False
+                self._stop_driving()
             raise
         finally:
             if produced:

@@ -137,6 +137,23 @@ def test_text_prompt_stop_string_and_streaming(sd_server, sd_engine):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_streamed_stop_strings_never_leak_while_siblings_run(sd_server):
+    """n samples with a stop string: a sample that stops while its siblings still run must stream
+    exactly its non-streamed text (cut before the stop string), never a piece of the stop string."""
+    client = sd_server.client()
+    body = dict(model="tiny", prompt=PROMPTS[1], n=6, max_tokens=24, temperature=1.0, seed=11)
+    free = [c.text for c in client.completions.create(**body).choices]
+    # a character some samples hold early and others not at all, so samples end at different rounds
+    stop = next(ch for ch in sorted(set("".join(t[:8] for t in free))) if 0 < sum(ch in t for t in free) < len(free))
+    cut = client.completions.create(**body, stop=[stop]).choices
+    assert {c.finish_reason for c in cut} == {"stop", "length"}
+    streamed = [""] * len(cut)
+    for chunk in client.completions.create(**body, stop=[stop], stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [c.text for c in cut] == [t[:t.find(stop)] if stop in t else t for t in free]
+
+
 def test_bad_requests_are_400_naming_the_field(sd_server):
     cases = [
         (None, b"{not json", "body"),
@@ -192,23 +209,48 @@ def test_sixteen_concurrent_clients_equal_alone(sd_server, sd_engine):
     assert m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
 
 
-def test_disconnect_frees_the_slot_and_others_are_unharmed(sd_server, sd_engine):
+@pytest.mark.parametrize("stream", [False, True])
+def test_disconnect_frees_the_slot_and_others_are_unharmed(sd_server, sd_engine, stream):
+    """A client that gives up mid-request: once its 16 sequences hold slots the server is paused (so
+    the request cannot finish first), the client times out and closes its connection, and the
+    request's slots are freed while still paused; after resume the server serves others unharmed."""
+    key = 'rollout_ssd:requests_total{"outcome": "aborted"}'
     before = sd_server.metrics()
-    with pytest.raises(httpx.ReadTimeout):  # the client gives up mid-request and closes its connection
-        httpx.post(sd_server.url + "/v1/completions", timeout=0.5, json={
-            "prompt": "a", "n": 16, "max_tokens": 240, "ignore_eos": True, "temperature": 1.0})
+    outcome = {}
+
+    def give_up():
+        try:
+            with httpx.stream("POST", sd_server.url + "/v1/completions", timeout=2.0, json={
+                    "prompt": "a", "n": 16, "max_tokens": 240, "ignore_eos": True, "temperature": 1.0,
+                    "stream": stream}) as resp:
+                for _ in resp.iter_bytes():
+                    pass
+        except httpx.ReadTimeout:
+            outcome["timed_out"] = True
+
+    client = threading.Thread(target=give_up)
+    client.start()
+    try:
+        deadline = time.monotonic() + 30
+        while sd_server.metrics()["vllm:num_requests_running"] < 16 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert sd_server.post("/pause").status_code == 200
+        assert sd_server.metrics()["vllm:num_requests_running"] == 16  # paused mid-request, slots held
+        client.join(30)
+        assert outcome.get("timed_out")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            m = sd_server.metrics()
+            if m[key] - before[key] == 1 and m["vllm:num_requests_running"] == 0:
+                break
+            time.sleep(0.05)
+        assert m[key] - before[key] == 1 and m["vllm:num_requests_running"] == 0  # freed while paused
+    finally:
+        sd_server.post("/resume")
     other = sd_server.post("/v1/completions", {"prompt": "a", "max_tokens": 6, "temperature": 0, "return_token_ids": True})
     ref = sd_engine.sample(["a"], SamplingParams(temperature=0, max_new_tokens=6))[0]
     assert other.json()["choices"][0]["token_ids"] == ref.token_ids
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        m = sd_server.metrics()
-        key = 'rollout_ssd:requests_total{"outcome": "aborted"}'
-        aborted = m[key] - before[key]
-        if aborted == 1 and m["vllm:num_requests_running"] == 0:
-            break
-        time.sleep(0.2)
-    assert aborted == 1 and m["vllm:num_requests_running"] == 0
+    m = sd_server.metrics()
     # generation tokens counted for the aborted request are fewer than it asked for
     assert m["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 16 * 240
 

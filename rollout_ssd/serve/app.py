@@ -14,6 +14,8 @@ import asyncio
 import json
 import logging
 import secrets
+import time
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -75,24 +77,18 @@ class _ApiKey:
 class Server:
     """The app's state: the engine, its tokenizer and name, and the request counters /metrics exports."""
 
-    def __init__(self, engine, model_name: str, api_key: Optional[str] = None, default_max_tokens: int = 16):
+    def __init__(self, engine, model_name: str, default_max_tokens: int = 16):
         self.engine = engine
         self.model_name = model_name
-        self.api_key = api_key
         self.default_max_tokens = default_max_tokens
         self.tokenizer = engine.target.tokenizer
         self.renderer = Renderer(self.tokenizer, model_name, engine.target.model.cfg.eos_token_ids)
-        self.counts = {"requests": 0, "finished": 0, "aborted": 0, "rejected": 0, "prompt_tokens": 0,
+        self.counts = {"finished": 0, "aborted": 0, "rejected": 0, "prompt_tokens": 0,
                        "generation_tokens": 0}
         self.receiver_attached = False
 
     async def body(self, raw: Request, schema: type[BaseModel]):
-        try:
-            data = json.loads(await raw.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise BadRequest(f"the body is not valid JSON: {err}", "body") from None
-        if not isinstance(data, dict):
-            raise BadRequest("the body must be a JSON object", "body")
+        data = await _json_object(raw)
         try:
             return schema.model_validate(data)
         except ValidationError as err:
@@ -111,12 +107,13 @@ class Server:
             request = self.engine.submit(prompts, params, listener=listener)
         except ValueError as err:
             raise BadRequest(str(err), field) from None
-        self.counts["requests"] += 1
         self.counts["prompt_tokens"] += sum(len(s.prompt_token_ids) for s in request.seqs[::params.n])
         return request
 
     def finished(self, request) -> None:
-        aborted = any(s.finish_reason == "abort" for s in request.seqs)
+        # cancelled: a stream cancelled by its client's disconnect is counted before the scheduler has
+        # ended its sequences (the handler cannot wait for that while being cancelled itself)
+        aborted = request.cancelled or any(s.finish_reason == "abort" for s in request.seqs)
         self.counts["aborted" if aborted else "finished"] += 1
         self.counts["generation_tokens"] += request.num_tokens
 
@@ -134,14 +131,36 @@ class Server:
         return [int(t) for t in ids]
 
 
-async def _wait(server: Server, raw: Request, request, events: asyncio.Queue) -> bool:
+class _Events:
+    """The listener's events of one request on the event loop, and whether its client is still there
+    (checked at least every DISCONNECT_POLL_S, whether or not events arrive)."""
+
+    def __init__(self, raw: Request):
+        self.raw, self.queue = raw, asyncio.Queue()
+        self.checked = time.monotonic()
+
+    def listener(self, loop: asyncio.AbstractEventLoop):
+        return lambda request, finished: loop.call_soon_threadsafe(self.queue.put_nowait, finished)
+
+    async def next(self, request) -> Optional[bool]:
+        """The next event (finished or not), or None once the client has gone away."""
+        while True:
+            try:
+                event = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                event = None
+            if time.monotonic() - self.checked >= DISCONNECT_POLL_S:
+                self.checked = time.monotonic()
+                if not request.done() and await self.raw.is_disconnected():
+                    return None
+            if event is not None:
+                return event
+
+
+async def _wait(server: Server, request, events: _Events) -> bool:
     """Wait for an engine request; False (and cancelled) if the client went away first."""
     while not request.done():
-        try:
-            await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
-            pass
-        if not request.done() and await raw.is_disconnected():
+        if await events.next(request) is None:
             request.cancel()
             await asyncio.to_thread(request.wait)
             server.finished(request)
@@ -150,17 +169,14 @@ async def _wait(server: Server, raw: Request, request, events: asyncio.Queue) ->
     return True
 
 
-def _listener(loop: asyncio.AbstractEventLoop, events: asyncio.Queue):
-    return lambda request, finished: loop.call_soon_threadsafe(events.put_nowait, finished)
-
-
 async def _generate(server: Server, raw: Request, prompts, params, field: str, render, stream_chunk=None,
-                    include_usage: bool = False):
-    """Submit, then answer with one JSON body, or (stream_chunk given) an SSE stream of chunks."""
-    loop, events = asyncio.get_running_loop(), asyncio.Queue()
-    request = server.submit(prompts, params, field, _listener(loop, events))
+                    cid: str = "", include_usage: bool = False):
+    """Submit, then answer with one JSON body, or (stream_chunk given) an SSE stream of chunks:
+    stream_chunk(index, token_ids, logprobs, text_delta, rollout or None) -> one chunk's body."""
+    events = _Events(raw)
+    request = server.submit(prompts, params, field, events.listener(asyncio.get_running_loop()))
     if stream_chunk is None:
-        if not await _wait(server, raw, request, events):
+        if not await _wait(server, request, events):
             return Response(status_code=499)
         try:
             return JSONResponse(render(request.result()))
@@ -172,16 +188,19 @@ async def _generate(server: Server, raw: Request, prompts, params, field: str, r
         texts = [TextStream(server.tokenizer, params.stop) for _ in request.seqs]
         try:
             while True:
-                finished = await events.get()
+                finished = await events.next(request)
+                if finished is None:
+                    return  # the client went away: `finally` cancels the request
                 rollouts = request.result() if finished else None
                 for index, seq in enumerate(request.seqs):
-                    chunk = stream_chunk(index, seq, texts[index], rollouts[index] if rollouts else None)
-                    if chunk is not None:
-                        yield f"data: {json.dumps(chunk)}\n\n"
+                    rollout = rollouts[index] if rollouts else None
+                    piece = _stream_piece(seq, texts[index], rollout)
+                    if piece is not None:
+                        yield f"data: {json.dumps(stream_chunk(index, *piece, rollout))}\n\n"
                 if finished:
                     if include_usage:
                         usage = server.renderer.usage(rollouts, params.n)
-                        yield f"data: {json.dumps({'id': new_id('cmpl'), 'choices': [], 'usage': usage})}\n\n"
+                        yield f"data: {json.dumps({'id': cid, 'choices': [], 'usage': usage})}\n\n"
                     yield "data: [DONE]\n\n"
                     return
         except Exception as err:
@@ -194,8 +213,9 @@ async def _generate(server: Server, raw: Request, prompts, params, field: str, r
     return StreamingResponse(events_stream(), media_type="text/event-stream")
 
 
-def _stream_piece(seq, text: TextStream, rollout, as_ids: bool, renderer: Renderer):
-    """New tokens, logprobs and text of one sequence since the last chunk (all of them once it is done)."""
+def _stream_piece(seq, text: TextStream, rollout):
+    """(token ids, logprobs, text delta) of one sequence new since the last chunk (the rest once it is
+    done), or None when nothing is new."""
     if rollout is not None:
         ids, lps = rollout.token_ids, rollout.logprobs
     else:  # the scheduler thread appends a token before its logprob: take the pairs complete now
@@ -206,12 +226,11 @@ def _stream_piece(seq, text: TextStream, rollout, as_ids: bool, renderer: Render
     delta = text.delta(ids, rollout.text if rollout is not None else None)
     if not new_ids and not delta and rollout is None:
         return None
-    pieces = [renderer.piece(t, as_ids) for t in new_ids]
-    return new_ids, new_lps, pieces, delta
+    return new_ids, new_lps, delta
 
 
 def build_app(engine, model_name: str, api_key: Optional[str] = None, default_max_tokens: int = 16) -> FastAPI:
-    server = Server(engine, model_name, api_key, default_max_tokens)
+    server = Server(engine, model_name, default_max_tokens)
     app = FastAPI(title="rollout-ssd", docs_url=None, redoc_url=None)
     app.state.server = server
 
@@ -241,25 +260,11 @@ def build_app(engine, model_name: str, api_key: Optional[str] = None, default_ma
         prompts = completion_prompts(req.prompt)
         as_ids = req.return_tokens_as_token_ids
         render = lambda rollouts: server.renderer.completion(rollouts, params.n, req.logprobs, req.return_token_ids, as_ids)
-        chunk = None
-        if req.stream:
-            cid = new_id("cmpl")
-
-            def chunk(index, seq, text, rollout):
-                piece = _stream_piece(seq, text, rollout, as_ids, server.renderer)
-                if piece is None:
-                    return None
-                ids, lps, pieces, delta = piece
-                choice = {"index": index, "text": delta, "finish_reason": rollout.finish_reason if rollout else None,
-                          "logprobs": {"tokens": pieces, "token_logprobs": lps, "top_logprobs": [
-                              {p: lp} for p, lp in zip(pieces, lps)]} if req.logprobs is not None else None}
-                if req.return_token_ids:
-                    choice["token_ids"] = ids
-                    if rollout is not None:
-                        choice["prompt_token_ids"] = rollout.prompt_token_ids
-                return {"id": cid, "object": "text_completion", "created": 0, "model": model_name, "choices": [choice]}
+        cid = new_id("cmpl")
+        chunk = partial(server.renderer.completion_chunk, cid, with_logprobs=req.logprobs is not None,
+                        return_ids=req.return_token_ids, as_ids=as_ids) if req.stream else None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _generate(server, raw, prompts, params, "prompt", render, chunk, include_usage)
+        return await _generate(server, raw, prompts, params, "prompt", render, chunk, cid, include_usage)
 
     @app.post("/v1/chat/completions")
     async def chat(raw: Request):
@@ -272,25 +277,11 @@ def build_app(engine, model_name: str, api_key: Optional[str] = None, default_ma
         prompt = server.chat_prompt(req)
         as_ids = req.return_tokens_as_token_ids
         render = lambda rollouts: server.renderer.chat(rollouts, req.logprobs, req.return_token_ids, as_ids)
-        chunk = None
-        if req.stream:
-            cid = new_id("chatcmpl")
-
-            def chunk(index, seq, text, rollout):
-                piece = _stream_piece(seq, text, rollout, as_ids, server.renderer)
-                if piece is None:
-                    return None
-                ids, lps, pieces, delta = piece
-                choice = {"index": index, "delta": {"role": "assistant", "content": delta},
-                          "finish_reason": rollout.finish_reason if rollout else None,
-                          "logprobs": {"content": [{"token": p, "logprob": lp, "top_logprobs": []}
-                                                   for p, lp in zip(pieces, lps)]} if req.logprobs else None}
-                if req.return_token_ids:
-                    choice["token_ids"] = ids
-                return {"id": cid, "object": "chat.completion.chunk", "created": 0, "model": model_name,
-                        "choices": [choice]}
+        cid = new_id("chatcmpl")
+        chunk = partial(server.renderer.chat_chunk, cid, with_logprobs=req.logprobs, return_ids=req.return_token_ids,
+                        as_ids=as_ids) if req.stream else None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _generate(server, raw, [prompt], params, "messages", render, chunk, include_usage)
+        return await _generate(server, raw, [prompt], params, "messages", render, chunk, cid, include_usage)
 
     @app.get("/metrics")
     async def metrics():
@@ -366,8 +357,12 @@ def _control_routes(app: FastAPI, server: Server) -> None:
             raise BadRequest("init_info must be an object", "init_info")
         if server.receiver_attached:
             raise BadRequest("a weight-transfer group is already attached", "init_info")
-        await asyncio.to_thread(_join_weight_sync, engine, info)
-        server.receiver_attached = True
+        server.receiver_attached = True  # claimed before the join, so a second call cannot race it
+        try:
+            await asyncio.to_thread(_join_weight_sync, engine, info)
+        except BaseException:
+            server.receiver_attached = False
+            raise
         return {"success": True}
 
 

@@ -40,21 +40,25 @@ class Renderer:
         last = r.token_ids[-1] if r.token_ids else None
         return None if last in self.eos_ids else last
 
-    def completion_logprobs(self, r: Rollout, as_ids: bool) -> dict:
-        tokens = [self.piece(t, as_ids) for t in r.token_ids]
+    def completion_logprobs(self, token_ids: list[int], logprobs: list[float], as_ids: bool) -> dict:
+        tokens = [self.piece(t, as_ids) for t in token_ids]
+        return {"tokens": tokens, "token_logprobs": list(logprobs),
+                "top_logprobs": [{p: lp} for p, lp in zip(tokens, logprobs)]}
+
+    def chat_logprobs(self, token_ids: list[int], logprobs: list[float], as_ids: bool) -> dict:
+        content = []
+        for t, lp in zip(token_ids, logprobs):
+            piece = self.piece(t, as_ids)
+            content.append({"token": piece, "logprob": lp, "bytes": list(piece.encode("utf-8")), "top_logprobs": []})
+        return {"content": content}
+
+    @staticmethod
+    def _text_offsets(tokens: list[str]) -> list[int]:
         offsets, at = [], 0
         for piece in tokens:
             offsets.append(at)
             at += len(piece)
-        return {"tokens": tokens, "token_logprobs": list(r.logprobs), "text_offset": offsets,
-                "top_logprobs": [{p: lp} for p, lp in zip(tokens, r.logprobs)]}
-
-    def chat_logprobs(self, r: Rollout, as_ids: bool) -> dict:
-        content = []
-        for t, lp in zip(r.token_ids, r.logprobs):
-            piece = self.piece(t, as_ids)
-            content.append({"token": piece, "logprob": lp, "bytes": list(piece.encode("utf-8")), "top_logprobs": []})
-        return {"content": content}
+        return offsets
 
     @staticmethod
     def usage(rollouts: list[Rollout], n: int) -> dict:
@@ -67,8 +71,10 @@ class Renderer:
         choices = []
         for index, r in enumerate(rollouts):
             choice = {"index": index, "text": r.text or "", "finish_reason": r.finish_reason,
-                      "stop_reason": self.stop_reason(r), "weight_version": r.weight_version,
-                      "logprobs": self.completion_logprobs(r, as_ids) if logprobs is not None else None}
+                      "stop_reason": self.stop_reason(r), "weight_version": r.weight_version, "logprobs": None}
+            if logprobs is not None:
+                choice["logprobs"] = self.completion_logprobs(r.token_ids, r.logprobs, as_ids)
+                choice["logprobs"]["text_offset"] = self._text_offsets(choice["logprobs"]["tokens"])
             if return_ids:
                 choice["token_ids"] = list(r.token_ids)
                 choice["prompt_token_ids"] = list(r.prompt_token_ids)
@@ -82,7 +88,7 @@ class Renderer:
             choice = {"index": index, "message": {"role": "assistant", "content": r.text or ""},
                       "finish_reason": r.finish_reason, "stop_reason": self.stop_reason(r),
                       "weight_version": r.weight_version,
-                      "logprobs": self.chat_logprobs(r, as_ids) if logprobs else None}
+                      "logprobs": self.chat_logprobs(r.token_ids, r.logprobs, as_ids) if logprobs else None}
             if return_ids:
                 choice["token_ids"] = list(r.token_ids)
             choices.append(choice)
@@ -93,9 +99,34 @@ class Renderer:
         return body
 
 
+    def completion_chunk(self, cid: str, index: int, token_ids: list[int], logprobs: list[float], delta: str,
+                         rollout: Optional[Rollout], *, with_logprobs: bool, return_ids: bool, as_ids: bool) -> dict:
+        """One streamed choice of /v1/completions: the tokens and text new since the last chunk."""
+        choice = {"index": index, "text": delta, "finish_reason": rollout.finish_reason if rollout else None,
+                  "logprobs": self.completion_logprobs(token_ids, logprobs, as_ids) if with_logprobs else None}
+        if return_ids:
+            choice["token_ids"] = token_ids
+            if rollout is not None:
+                choice["prompt_token_ids"] = rollout.prompt_token_ids
+        return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": self.model,
+                "choices": [choice]}
+
+    def chat_chunk(self, cid: str, index: int, token_ids: list[int], logprobs: list[float], delta: str,
+                   rollout: Optional[Rollout], *, with_logprobs: bool, return_ids: bool, as_ids: bool) -> dict:
+        """One streamed choice of /v1/chat/completions (a `delta` message)."""
+        choice = {"index": index, "delta": {"role": "assistant", "content": delta},
+                  "finish_reason": rollout.finish_reason if rollout else None,
+                  "logprobs": self.chat_logprobs(token_ids, logprobs, as_ids) if with_logprobs else None}
+        if return_ids:
+            choice["token_ids"] = token_ids
+        return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model,
+                "choices": [choice]}
+
+
 class TextStream:
     """Incremental text of one sequence for streaming: sends only text that can no longer change (a
-    trailing partial UTF-8 character, or a tail that may still grow into a stop string, is held back)."""
+    trailing partial UTF-8 character, a stop string and what follows it, or a tail that may still grow
+    into a stop string, is held back)."""
 
     def __init__(self, tokenizer, stops: Optional[tuple[str, ...]]):
         self.tokenizer = tokenizer
@@ -112,6 +143,9 @@ class TextStream:
         else:
             text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
             text = text.rstrip("\ufffd")
+            for stop in self.stops:  # a sequence that just ended may already hold its stop string
+                cut = text.find(stop)
+                text = text if cut < 0 else text[:cut]
             if self.stops:
                 text = text[:max(self.sent, len(text) - self.hold)]
         out = text[self.sent:]
