@@ -1,0 +1,290 @@
+"""The GPU check (issue 17): one call on a lent GPU machine, ending with one JSON line.
+
+Parts (each timed and fenced: a failing part records its error and the next one runs):
+  env        device, versions, copy bandwidth (the roofline the step times are divided by);
+  tests      `pytest -m gpu` on the GPU-marked test files;
+  equality   greedy tokens of AR / SD / SSD on a tiny random float32 pair: engine on the device vs the
+             engine on the CPU vs transformers' `generate` on the device;
+  steps      eager vs static-graphed decode (T=1) and verify (T=K+1) step times at batch 1 / 16 / 64 on
+             random Llama-3-8B- and 1B-shaped models (bf16), against each model's weight-read time;
+  overlap    target verify and draft tree steps on two CUDA streams at once vs one after the other;
+  predict    Theorem 7's SSD/SD and SSD/AR from the measured costs (docs/THEORY.md), for a draft
+             accepting `--accept` per token with hit rate `--p-hit`.
+`--cpu-smoke` runs the same logic on tiny shapes on the CPU (CI runs it), so the script is tested
+before device time is spent on it. No network and no checkpoints are needed: models are built from
+configs with random weights (their acceptance is meaningless; they time the mechanics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+SHAPES = {  # name -> (hidden, intermediate, layers, heads, kv heads, vocab)
+    "llama3-8b": (4096, 14336, 32, 32, 8, 128256),
+    "llama3-1b": (2048, 8192, 16, 32, 8, 128256),
+    "tiny-target": (64, 128, 4, 4, 2, 512),
+    "tiny-draft": (64, 128, 1, 4, 2, 512),
+}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_ms(fn, device: torch.device, repeats: int) -> float:
+    """Median milliseconds of fn() over `repeats` calls after one warm-up."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def part_env(device: torch.device, smoke: bool) -> dict:
+    out = {"torch": torch.__version__, "device": str(device), "cuda": torch.cuda.is_available()}
+    if device.type == "cuda":
+        out["name"] = torch.cuda.get_device_name(device)
+        out["free_gb"] = torch.cuda.mem_get_info(device)[0] / 2**30
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        out["triton"] = None
+    n = (16 if smoke else 1024) * 2**20 // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms = timed_ms(lambda: dst.copy_(src), device, 5)
+    out["copy_gb_s"] = 2 * src.numel() * 2 / (ms / 1e3) / 1e9  # read + write
+    return out
+
+
+def part_tests(device: torch.device, smoke: bool) -> dict:
+    files = ["tests/test_gpu_graphs.py", "tests/test_tree_attention.py", "tests/test_weight_sync.py"]
+    # smoke: the same call on one CPU case (the GPU cases skip on a CPU)
+    marks = ["-m", "not gpu", "-k", "bucket"] if smoke else ["-m", "gpu"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *marks, *files]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=150)
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
+    return {"rc": proc.returncode, "summary": tail[0]}
+
+
+def tiny_pair(directory: Path) -> tuple[str, str]:
+    """A tiny random Llama target and a noisy copy as its draft (real hits and misses), float32."""
+    from tiny_models import hf_config, randomize
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(hf_config("llama-gqa-untied", vocab_size=128, num_hidden_layers=2))
+    randomize(target, seed=1, logit_scale=4.0)
+    target.save_pretrained(directory / "target")
+    with torch.no_grad():
+        for p in target.parameters():
+            p.add_(0.05 * p.std() * torch.randn_like(p))
+    target.save_pretrained(directory / "draft")
+    return str(directory / "target"), str(directory / "draft")
+
+
+def part_equality(device: torch.device, smoke: bool) -> dict:
+    from transformers import LlamaForCausalLM
+
+    from rollout_ssd import RolloutEngine, SamplingParams, SpecConfig
+
+    prompts = [[1, 5, 9, 3], [7, 2], [4, 4, 8, 1, 6, 2]]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12 if smoke else 24, ignore_eos=True)
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        target, draft = tiny_pair(Path(tmp))
+        hf = LlamaForCausalLM.from_pretrained(target, torch_dtype=torch.float32).to(device)
+        want = []
+        for p in prompts:
+            ids = torch.tensor([p], device=device)
+            gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=params.max_new_tokens,
+                              do_sample=False, pad_token_id=0)
+            want.append(gen[0, len(p):].tolist())
+        for method in ("ar", "sd", "ssd"):
+            row = {}
+            for where in (("cpu", device) if device.type != "cpu" else ("cpu",)):
+                try:
+                    engine = RolloutEngine.from_pretrained(target, draft=None if method == "ar" else draft,
+                                                           spec=SpecConfig(method=method, k=3), dtype="float32",
+                                                           device=str(where), max_batch_size=4, max_model_len=64)
+                    try:
+                        got = [r.token_ids for r in engine.sample(prompts, params)]
+                    finally:
+                        engine.close()
+                    row[str(where)] = got == want
+                except Exception as err:  # recorded: the first failure of a device path is the finding
+                    row[str(where)] = f"{type(err).__name__}: {err}"[:300]
+            out[method] = row
+    out["all_equal"] = all(v is True for row in out.values() if isinstance(row, dict) for v in row.values())
+    return out
+
+
+def random_decoder(shape: str, device: torch.device, dtype: torch.dtype):
+    from rollout_ssd.models.config import ModelConfig
+    from rollout_ssd.models.decoder import Decoder
+
+    hidden, inter, layers, heads, kv, vocab = SHAPES[shape]
+    cfg = ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                      num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=hidden // heads,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False, qk_norm=False,
+                      max_position_embeddings=4096, bos_token_id=None, eos_token_ids=())
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
+    with torch.device(device):
+        model = Decoder(cfg, inv_freq, 1.0, dtype=dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype.is_floating_point:
+                p.normal_(0.0, 0.02)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p is not model.embed)
+    return model, weight_bytes
+
+
+def time_batch(model, b: int, k: int, context: int, device: torch.device, repeats: int) -> dict:
+    """Eager (`ModelRunner.extend`) vs static-graphed step times of T = 1 and K+1 at batch b."""
+    from rollout_ssd.gpu.graphs import GraphedSteps
+    from rollout_ssd.runner import ModelRunner
+
+    runner = ModelRunner(model, num_slots=b, max_len=context + 8 * (k + 1))
+    slots = list(range(b))
+    runner.prefill(slots, [[1] * context] * b)
+    graphs = GraphedSteps(model, runner.cache, buckets=(b,))
+    rows = {}
+    for t in (1, k + 1):
+        feed = [[2] * t] * b
+
+        def rewind():
+            for s in slots:
+                runner.rollback(s, context)
+
+        rows[f"b{b}_t{t}"] = {
+            "eager_ms": timed_ms(lambda feed=feed: (runner.extend(slots, feed, last_only=True), rewind()), device, repeats),
+            "graphed_ms": timed_ms(lambda feed=feed: (graphs.run(slots, feed), rewind()), device, repeats),
+        }
+    return rows
+
+
+def part_steps(device: torch.device, smoke: bool, k: int, env: dict) -> dict:
+    dtype = torch.float32 if smoke else torch.bfloat16
+    shapes = ("tiny-target", "tiny-draft") if smoke else ("llama3-8b", "llama3-1b")
+    out = {}
+    for shape in shapes:
+        model, weight_bytes = random_decoder(shape, device, dtype)
+        floor_ms = weight_bytes / (env["copy_gb_s"] / 2 * 1e9) * 1e3  # read-only bandwidth ~ half a copy's traffic
+        rows = {}
+        for b in ((1, 4) if smoke else (1, 16, 64)):
+            rows.update(time_batch(model, b, k, 32 if smoke else 512, device, 5 if smoke else 20))
+        out[shape] = {"weight_gb": weight_bytes / 1e9, "floor_ms": floor_ms, "steps": rows,
+                      "b1_graphed_over_floor": rows["b1_t1"]["graphed_ms"] / floor_ms}
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def part_overlap(device: torch.device, smoke: bool, k: int, steps: dict) -> dict:
+    """Serial vs two-stream time of one target verify (T=K+1) and K+1 draft steps at batch 1."""
+    if device.type != "cuda":
+        return {"skipped": "needs CUDA streams"}
+    target_name, draft_name = list(steps)[:2]
+    serial = steps[target_name]["steps"][f"b1_t{k + 1}"]["graphed_ms"] + \
+        (k + 1) * steps[draft_name]["steps"]["b1_t1"]["graphed_ms"]
+    from rollout_ssd.gpu.graphs import GraphedSteps
+    from rollout_ssd.runner import ModelRunner
+
+    models = [random_decoder(n, device, torch.bfloat16)[0] for n in (target_name, draft_name)]
+    runners = [ModelRunner(m, num_slots=1, max_len=1024) for m in models]
+    for r in runners:
+        r.prefill([0], [[1] * 512])
+    graphs = [GraphedSteps(m, r.cache, buckets=(1,)) for m, r in zip(models, runners)]
+    streams = [torch.cuda.Stream(priority=-1), torch.cuda.Stream()]
+
+    def both():
+        with torch.cuda.stream(streams[0]):
+            graphs[0].run([0], [[2] * (k + 1)])
+            runners[0].rollback(0, 512)
+        with torch.cuda.stream(streams[1]):
+            for _ in range(k + 1):
+                graphs[1].run([0], [[2]])
+            runners[1].rollback(0, 512)
+
+    concurrent = timed_ms(both, device, 20)
+    verify = steps[target_name]["steps"][f"b1_t{k + 1}"]["graphed_ms"]
+    hidden = max(0.0, min(1.0, (serial - concurrent) / max(serial - verify, 1e-9)))
+    return {"serial_ms": serial, "concurrent_ms": concurrent, "hidden_fraction": hidden}
+
+
+def part_predict(steps: dict, k: int, accept: float, p_hit: float) -> dict:
+    """Theorem 7 with the measured graphed costs (verify = 1 time unit), batch 1."""
+    target_name, draft_name = list(steps)[:2]
+    verify = steps[target_name]["steps"][f"b1_t{k + 1}"]["graphed_ms"]
+    decode = steps[target_name]["steps"]["b1_t1"]["graphed_ms"]
+    draft = steps[draft_name]["steps"]["b1_t1"]["graphed_ms"]
+    e = (1 - accept ** (k + 1)) / (1 - accept)
+    t_sd = k * draft / verify
+    t_p = (draft * (k + 1)) / verify  # glue + K tree steps, each about one draft step at batch 1
+    sd = e / (1 + t_sd) * decode / verify
+    ssd = e / (p_hit * max(1.0, t_p) + (1 - p_hit) * (1 + t_sd)) * decode / verify
+    return {"E": e, "T_SD": t_sd, "T_p": t_p, "verify_over_decode": verify / decode,
+            "SD_over_AR": sd, "SSD_over_AR": ssd, "SSD_over_SD": ssd / sd}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (the script's own test)")
+    parser.add_argument("--parts", default="env,tests,equality,steps,overlap,predict")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--accept", type=float, default=0.8)
+    parser.add_argument("--p-hit", type=float, default=0.8)
+    args = parser.parse_args(argv)
+    smoke = args.cpu_smoke
+    device = torch.device("cpu" if smoke or not torch.cuda.is_available() else "cuda")
+    parts = args.parts.split(",")
+    result: dict = {"bench": "gpu_check", "cpu_smoke": smoke, "k": args.k}
+    runs = {
+        "env": lambda: part_env(device, smoke),
+        "tests": lambda: part_tests(device, smoke),
+        "equality": lambda: part_equality(device, smoke),
+        "steps": lambda: part_steps(device, smoke, args.k, result["env"]),
+        "overlap": lambda: part_overlap(device, smoke, args.k, result["steps"]),
+        "predict": lambda: part_predict(result["steps"], args.k, args.accept, args.p_hit),
+    }
+    if "steps" in parts and "env" not in parts:
+        parts.insert(0, "env")
+    for name in parts:
+        t0 = time.perf_counter()
+        try:
+            result[name] = runs[name]()
+        except Exception as err:  # one part's failure must not cost the others' measurements
+            result[name] = {"error": f"{type(err).__name__}: {err}"[:400], "where": traceback.format_exc()[-800:]}
+        result.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 2)
+        print(f"gpu_check: {name} done in {result['seconds'][name]} s", file=sys.stderr, flush=True)
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        Path(out_dir, "gpu_check.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, separators=(",", ":"), default=str))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Static-shape steps (rollout_ssd/gpu/graphs.py): bucket routing, static buffers, and the step's
+results against the eager `ModelRunner` path on a CPU (the CUDA capture itself is GPU-only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import hf_config, randomize
+
+from rollout_ssd.gpu.graphs import BUCKETS, GraphedSteps, StaticStep, StepKey, bucket_for
+from rollout_ssd.models.loader import load_pretrained
+from rollout_ssd.runner import ModelRunner
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("graphs")
+    model = LlamaForCausalLM(hf_config("llama-gqa-untied"))
+    randomize(model, seed=3)
+    model.save_pretrained(d)
+    return load_pretrained(str(d), dtype="float32").model
+
+
+def test_bucket_for_picks_the_smallest_bucket_that_holds_the_batch():
+    assert [bucket_for(b) for b in (1, 2, 3, 5, 16, 17, 512)] == [1, 2, 4, 8, 16, 32, 512]
+    assert bucket_for(3, (8, 2)) == 8
+    with pytest.raises(ValueError, match="largest graph bucket 512"):
+        bucket_for(513)
+    with pytest.raises(ValueError, match="at least one row"):
+        bucket_for(0)
+    assert BUCKETS == tuple(sorted(BUCKETS))
+
+
+def test_graphs_are_refused_off_cuda_and_bad_buckets_named(tiny):
+    runner = ModelRunner(tiny, num_slots=2, max_len=16)
+    with pytest.raises(ValueError, match="CUDA device"):
+        GraphedSteps(tiny, runner.cache, graphs=True)
+    with pytest.raises(ValueError, match="positive integers"):
+        GraphedSteps(tiny, runner.cache, buckets=(0, 2))
+    with pytest.raises(ValueError, match="CUDA"):
+        StaticStep(tiny, runner.cache, 1, 1).capture()
+
+
+def test_padded_rows_go_to_the_scratch_slot(tiny):
+    runner = ModelRunner(tiny, num_slots=3, max_len=16)
+    step = StaticStep(tiny, runner.cache, rows=4, t=2)
+    step.load([2, 0], [[5, 6], [7, 8]], [3, 1])
+    assert step.slot.tolist() == [2, 0, 3, 3]  # scratch slot = num_slots
+    assert step.positions.tolist() == [[3, 4], [1, 2], [0, 1], [0, 1]]
+    assert step.tokens.tolist() == [[5, 6], [7, 8], [0, 0], [0, 0]]
+    with pytest.raises(ValueError, match="past the KV cache"):
+        step.load([0], [[1, 2]], [15])
+    with pytest.raises(ValueError, match="got 1 rows of lengths \\[3\\]"):
+        step.load([0], [[1, 2, 3]], [0])
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_static_steps_match_the_eager_runner(tiny, t):
+    """Ragged cache lengths, slots out of order, a padded bucket (3 rows in a bucket of 4): the static
+    step's logits equal the eager forward's within float32 reordering error (it reads the whole cache
+    with a mask instead of the visible prefix; 1e-5 on logits of order 1), its greedy tokens are equal,
+    and both leave the same cache lengths and the same K/V at every visible position."""
+    eager = ModelRunner(tiny, num_slots=4, max_len=32)
+    static = ModelRunner(tiny, num_slots=4, max_len=32)
+    steps = GraphedSteps(tiny, static.cache, buckets=(1, 4))
+    prompts = {0: [1, 2, 3, 4, 5], 2: [9, 8], 3: [7, 7, 7]}
+    for runner in (eager, static):
+        runner.prefill(list(prompts), list(prompts.values()))
+    slots = [3, 0, 2]
+    feed = [[11 + i + j for j in range(t)] for i in range(len(slots))]
+    for _ in range(4):
+        want = eager.extend(slots, feed, last_only=True)
+        got = steps.run(slots, feed)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        assert [static.length(s) for s in slots] == [eager.length(s) for s in slots]
+        feed = [[int(x)] * t for x in want.argmax(-1)]
+    for layer in range(tiny.cfg.num_layers):
+        for s in slots:
+            n = eager.length(s)
+            torch.testing.assert_close(static.cache.keys[layer][s, :, :n], eager.cache.keys[layer][s, :, :n],
+                                       atol=1e-5, rtol=0)
+    assert set(steps.steps) == {StepKey(4, t)}
+
+
+def test_device_timer_measures_cpu_work_and_refuses_misuse():
+    import time
+
+    from rollout_ssd.gpu.timing import DeviceTimer
+
+    timer = DeviceTimer("cpu")
+    with timer:
+        time.sleep(0.02)
+    assert 0.015 < timer.seconds < 2.0
+    with pytest.raises(RuntimeError, match="before start"):
+        timer.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_replay_equals_the_eager_static_step(tiny):
+    model = tiny.to("cuda")
+    try:
+        runner = ModelRunner(model, num_slots=4, max_len=32)
+        runner.prefill([0, 1], [[1, 2, 3], [4, 5]])
+        lengths = list(runner.cache.lengths)
+        eager = StaticStep(model, runner.cache, rows=2, t=1)
+        eager.load([0, 1], [[6], [7]], lengths[:2])
+        want = eager.run().clone()
+        steps = GraphedSteps(model, runner.cache, buckets=(2,))
+        got = steps.run([0, 1], [[6], [7]])
+        assert steps.steps[StepKey(2, 1)].graph is not None
+        assert torch.equal(got, want)  # same kernels on the same inputs: bitwise
+    finally:
+        tiny.to("cpu")
