@@ -179,6 +179,9 @@ def test_pi_old_from_rollout_logprobs(tmp_path):
     ("learner.optim.deepspeed={zero_optimization: {stage: 3}}", "stage"),
     ("task=chess", "chess"),
     ("task_options={max_operands: 5}", "max_operands"),
+    ("device=tpu", "device"),
+    ("device=cuda", "ray.rollout_gpus"),
+    ("ray.rollout_gpus=-1", "ray.rollout_gpus"),
 ])
 def test_bad_config_is_refused_before_any_work(override, needle, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:

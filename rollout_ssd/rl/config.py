@@ -42,22 +42,28 @@ class RayConfig:
     """enabled: Ray actors (False: everything in this process, same code path minus Ray).
     address: an existing cluster ("auto" or host:port); None starts a local one bound to 127.0.0.1
     with token auth on. rollout_actors: engines that split each batch. *_cpus: Ray CPU requests.
-    sync_host: the address the learner's weight-sync group listens on (default 127.0.0.1; on a
-    cluster, the learner node's IP)."""
+    rollout_gpus / learner_gpus: Ray GPU requests per actor (Ray hides every GPU from an actor that
+    asks for none, so an engine on `device="cuda"` needs rollout_gpus >= 1; two for SSD with its draft
+    on a GPU of its own). sync_host: the address the learner's weight-sync group listens on (default
+    127.0.0.1; on a cluster, the learner node's IP)."""
 
     enabled: bool = True
     address: Optional[str] = None
     rollout_actors: int = 1
     rollout_cpus: float = 1.0
     learner_cpus: float = 1.0
+    rollout_gpus: float = 0.0
+    learner_gpus: float = 0.0
     num_cpus: Optional[int] = None
     sync_host: str = "127.0.0.1"
 
     def __post_init__(self):
         if not isinstance(self.rollout_actors, int) or self.rollout_actors < 1:
             raise ValueError(f"ray.rollout_actors must be an integer >= 1, got {self.rollout_actors!r}")
-        if self.rollout_cpus < 0 or self.learner_cpus < 0:
-            raise ValueError("ray.rollout_cpus and ray.learner_cpus must be >= 0")
+        for name in ("rollout_cpus", "learner_cpus", "rollout_gpus", "learner_gpus"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"ray.{name} must be a number >= 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -80,12 +86,15 @@ class TrackingConfig:
 class RLConfig:
     """A whole run. prompts_per_step prompts x sampling.n samples per step; steps policy updates.
     drift_every: measure drift/kl_target_draft every N steps (0: never). eval_greedy: also log reward
-    of greedy rollouts every N steps (0: never)."""
+    of greedy rollouts every N steps (0: never). device / draft_device: where the rollout engine
+    runs its target and its draft (`RolloutEngine.from_pretrained`); the learner trains on the CPU."""
 
     algorithm: str = "grpo"
     model: str = "smollm2-135m-instruct"
     draft: Optional[str] = "default"
     dtype: str = "auto"
+    device: str = "cpu"
+    draft_device: Optional[str] = None
     task: str = "arithmetic"
     task_options: dict = field(default_factory=dict)  # keyword arguments of the task's dataset builder
     dataset_size: int = 512
@@ -118,6 +127,14 @@ class RLConfig:
         unknown = sorted(set(self.task_options) - accepted)
         if unknown:
             raise ValueError(f"task_options {unknown} are not options of task {self.task!r}; known: {sorted(accepted)}")
+        for name in ("device", "draft_device"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or value.split(":")[0] not in ("cpu", "cuda")):
+                raise ValueError(f"{name} must be 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+        on_gpu = any(str(d).startswith("cuda") for d in (self.device, self.draft_device) if d is not None)
+        if on_gpu and self.ray.enabled and self.ray.rollout_gpus <= 0:
+            raise ValueError(f"device={self.device!r} with Ray needs ray.rollout_gpus >= 1 (Ray hides GPUs from "
+                             "an actor that requests none)")
         if self.learner.algorithm != self.algorithm:
             raise ValueError(f"learner.algorithm {self.learner.algorithm!r} differs from algorithm {self.algorithm!r}")
 

@@ -90,8 +90,8 @@ class RLTrainer:
                 kwargs.update(_node_ip_address="127.0.0.1", num_cpus=cfg.ray.num_cpus)
             ray.init(address=cfg.ray.address, **kwargs)
             self._ray = ray
-        rollout_cls = ray.remote(num_cpus=cfg.ray.rollout_cpus)(RolloutWorker)
-        learner_cls = ray.remote(num_cpus=cfg.ray.learner_cpus)(LearnerWorker)
+        rollout_cls = ray.remote(num_cpus=cfg.ray.rollout_cpus, num_gpus=cfg.ray.rollout_gpus)(RolloutWorker)
+        learner_cls = ray.remote(num_cpus=cfg.ray.learner_cpus, num_gpus=cfg.ray.learner_gpus)(LearnerWorker)
         self.rollout = [rollout_cls.remote(cfg, threads=1) for _ in range(cfg.ray.rollout_actors)]
         self.learner = learner_cls.remote(cfg, threads=1)
         if cfg.ray.address is None:  # one machine: rendezvous through a file, gloo on loopback
