@@ -9,15 +9,13 @@ decode strategies never see text; this is the only module that touches the token
 from __future__ import annotations
 
 import numbers
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 from typing import Sequence as Seq
 
 from rollout_ssd.models.loader import LoadedModel
-from rollout_ssd.params import Rollout, SamplingParams
+from rollout_ssd.params import Prompt, Rollout, SamplingParams
 from rollout_ssd.sampling import sequence_generator
 from rollout_ssd.sequence import Sequence
-
-Prompt = Union[str, list[int]]
 
 
 class Edges:

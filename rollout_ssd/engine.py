@@ -22,12 +22,12 @@ from rollout_ssd import metric_names as names
 from rollout_ssd.config import EngineConfig, SpecConfig, reject_unknown
 from rollout_ssd.decode import DecodeStrategy
 from rollout_ssd.draft_sync import DraftSync
-from rollout_ssd.edges import Edges, Prompt
+from rollout_ssd.edges import Edges
 from rollout_ssd.kv_cache import KVCache
 from rollout_ssd.methods import BuildContext, make_strategy
 from rollout_ssd.metrics import EngineMetrics
 from rollout_ssd.models.loader import LoadedModel, load_pretrained
-from rollout_ssd.params import Rollout, SamplingParams
+from rollout_ssd.params import Prompt, Rollout, SamplingParams
 from rollout_ssd.request import Request
 from rollout_ssd.runner import ModelRunner
 from rollout_ssd.scheduler import Scheduler

@@ -25,9 +25,9 @@ import torch
 
 from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig
 from rollout_ssd.models.loader import load_pretrained
+from rollout_ssd.request import RequestCancelled
 from rollout_ssd.rl.tasks import ALPHABET
 from rollout_ssd.rl.tiny import build_tiny_pair
-from rollout_ssd.request import RequestCancelled
 
 THREAD = "rollout-ssd-scheduler"
 MAX_LEN = 128
