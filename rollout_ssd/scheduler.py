@@ -209,6 +209,7 @@ class Scheduler:
                 self._stats.add_time(time.perf_counter() - start, produced)
 
     def _round(self) -> int:
+        """One round, phase by phase; returns the tokens it emitted."""
         self._drop_cancelled()
         self.apply_updates(self.running)
         produced = self._admit()
@@ -216,12 +217,7 @@ class Scheduler:
         if self.running:
             produced += self._strategy().step(self.running)
             self._retire()
-        for req in list(self._live.values()):
-            if all(s.finished for s in req.seqs):
-                del self._live[req.id]
-                req._finish()
-            else:
-                req._notify(False)
+        self._report()
         return produced
 
     # ------------------------------------------------------------------ the phases
@@ -267,6 +263,15 @@ class Scheduler:
             self._strategy().on_release(seq)
             self.runner.free(seq.slot)
             seq.slot = -1
+
+    def _report(self) -> None:
+        """End the requests whose sequences all finished; tell the others' listeners of progress."""
+        for req in list(self._live.values()):
+            if all(s.finished for s in req.seqs):
+                del self._live[req.id]
+                req._finish()
+            else:
+                req._notify(False)
 
     def _take_inbox(self) -> None:
         while self._inbox:
