@@ -5,7 +5,8 @@ batch at the next round; the engine's background scheduler drives the rounds, so
 wait. A client that disconnects cancels its request (its KV slots are freed before the next round);
 the other requests are untouched. Weight updates (from a checkpoint on disk, or a torch.distributed
 weight-sync group) are applied between rounds, and every choice reports the version it was sampled
-under. Bad requests get HTTP 400 with OpenAI's error shape, `param` naming the field.
+under (control.py: pause/resume and the weight-update endpoints). Bad requests get HTTP 400 with
+OpenAI's error shape, `param` naming the field.
 """
 
 from __future__ import annotations
