@@ -11,6 +11,8 @@ import argparse
 import logging
 import sys
 
+from rollout_ssd import metric_names as names
+
 DEMO_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -61,10 +63,11 @@ def demo(args) -> int:
         rows.append((method, m))
     print(f"\n{'method':<6} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'accept':>7} {'len/round':>9} {'hit rate':>8}")
     for method, m in rows:
-        accept = m.get("spec/accept_rate")
-        hit = m.get("ssd/hit_rate")
-        print(f"{method:<6} {m['rollout/tokens']:>7} {m['rollout/seconds']:>8.1f} {m['rollout/tokens_per_s']:>9.1f} "
-              f"{'-' if accept is None else f'{accept:.2f}':>7} {m['rollout/tokens_per_round']:>9.2f} "
+        accept = m.get(names.SPEC_ACCEPT_RATE)
+        hit = m.get(names.SSD_HIT_RATE)
+        tokens, seconds = m[names.ROLLOUT_TOKENS], m[names.ROLLOUT_SECONDS]
+        print(f"{method:<6} {tokens:>7} {seconds:>8.1f} {m[names.ROLLOUT_TOKENS_PER_S]:>9.1f} "
+              f"{'-' if accept is None else f'{accept:.2f}':>7} {m[names.ROLLOUT_TOKENS_PER_ROUND]:>9.2f} "
               f"{'-' if hit is None else f'{hit:.2f}':>8}")
     return 0
 

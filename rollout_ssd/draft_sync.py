@@ -3,8 +3,9 @@
 A draft follows the policy (THEORY.md §5) when the learner distills it and sends its new weights
 (`draft_follow.py`, `weight_sync.LearnerSync`). They reach the engine in process
 (`RolloutEngine.update_draft_weights`) or through a `weight_sync.WeightReceiver`
-(`RolloutEngine.attach_draft_receiver`); either way they are validated on arrival, queued, and applied
-between rounds to the draft wherever it lives, by its holder:
+(`RolloutEngine.attach_draft_receiver`); either way the engine's draft `updates.UpdateQueue` validates
+them on arrival, queues them, and applies them between rounds through `DraftSync` (this module), to the
+draft wherever it lives, by its holder:
   SD   the DraftModelSpeculator (its draft KV is cut and recomputed at the next round);
   SSD  SSDDecode: its in-process copy of the draft, then the draft side (in process, or the worker
        process through shared memory), which drops its speculation cache and draft KV.
@@ -18,22 +19,14 @@ it follows target updates instead.
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 
+from rollout_ssd import metric_names as names
 from rollout_ssd.named_update import NamedUpdate
 
-log = logging.getLogger(__name__)
 SHARED_REASON = "is shared with the target model; it follows target updates (update_weights), not draft updates"
-
-
-def DraftUpdate(named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> NamedUpdate:
-    """A draft update handed over in process (validated on arrival, applied between rounds)."""
-    return NamedUpdate(named_tensors, version, what="update_draft_weights")
 
 
 def shared_names(draft: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> set[str]:
@@ -43,22 +36,19 @@ def shared_names(draft: dict[str, torch.Tensor], target: dict[str, torch.Tensor]
 
 
 class DraftSync:
-    """The engine's draft-weight queue. `strategy()` returns the engine's decode strategy, `target_params()`
-    the target's HF parameters, `sampling()` whether a `sample` call is running (then updates wait for the
-    next round boundary, where the engine calls `apply_pending`)."""
+    """The draft as a weight holder (`updates.WeightHolder`). `strategy()` returns the engine's decode
+    strategy, `target_params()` the target's HF parameters. An update is checked against the newest
+    version handed over (queued ones included) and, when written, against the version the draft holds."""
 
-    def __init__(self, strategy: Callable[[], object], target_params: Callable[[], dict[str, torch.Tensor]],
-                 sampling: Callable[[], bool]):
-        self._strategy, self._target_params, self._sampling = strategy, target_params, sampling
-        self._lock = threading.Lock()  # held while checking `sampling()` and while applying
-        self._queue: list = []
-        self.version = 0
-        self._newest = 0  # the newest version applied or queued
-        self.rejected = 0
+    what = "update_draft_weights"
+    label = "draft sync"
+    stays = "the draft stays at version {}"
+
+    def __init__(self, strategy: Callable[[], object], target_params: Callable[[], dict[str, torch.Tensor]]):
+        self._strategy, self._target_params = strategy, target_params
         self.count = 0
         self.bytes = 0
         self.seconds = 0.0
-        self._threads: list[threading.Thread] = []
 
     # ------------------------------------------------------------------ the draft's holder
     def holder(self):
@@ -75,81 +65,28 @@ class DraftSync:
         shared = shared_names(params, self._target_params())
         return {n: t for n, t in params.items() if n not in shared}, shared
 
-    # ------------------------------------------------------------------ arrival
-    def submit(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Validate an in-process update now (ValueError: nothing queued) and queue it."""
-        update = DraftUpdate(named_tensors, version)
+    # ------------------------------------------------------------------ updates.WeightHolder
+    def ready(self) -> None:
+        self.holder()  # fail now, not in a receiver thread, if there is no draft
+
+    def check(self, update: NamedUpdate, queue) -> None:
         params, shared = self._params(self.holder())
-        with self._lock:
-            update.validate(params, self._newest, shared, SHARED_REASON)
-            self._newest = update.version
-            self._queue.append(update)
-            if not self._sampling():
-                self._apply_locked()
+        update.validate(params, queue.newest, shared, SHARED_REASON)
 
-    def attach_receiver(self, receiver, closed: Callable[[], bool]) -> None:
-        """Serve a weight_sync WeightReceiver for the draft: a background thread receives and verifies
-        transfers and queues them. A rejected transfer is logged and counted (`sync/draft_rejected`)."""
-        self.holder()  # fail now, not in the thread, if there is no draft
+    def write(self, update, queue) -> None:
+        holder = self.holder()
+        params, _ = self._params(holder)
+        if update.version <= queue.version:
+            raise ValueError(f"version {update.version} is not newer than the draft's {queue.version}")
+        holder.apply_draft_update(update, params, tuple(update.names))
 
-        def loop():
-            from rollout_ssd.weight_sync import TransportError, WeightSyncError
+    def applied(self, update, seconds: float) -> None:
+        self.count += 1
+        self.seconds += seconds
+        stats = getattr(update, "stats", None)
+        self.bytes += stats.bytes_received if stats is not None else getattr(update, "nbytes", 0)
 
-            while not closed():
-                try:
-                    staged = receiver.receive(timeout=None)
-                except WeightSyncError as err:
-                    if isinstance(err, TransportError) and closed():
-                        return
-                    self.rejected += 1
-                    log.warning("draft sync: transfer rejected, the draft stays at version %d: %s", self.version, err)
-                    if isinstance(err, TransportError):
-                        return
-                    continue
-                with self._lock:
-                    self._queue.append(staged)
-                    if not self._sampling():
-                        self._apply_locked()
-
-        thread = threading.Thread(target=loop, name="rollout-ssd-draft-receiver", daemon=True)
-        thread.start()
-        self._threads.append(thread)
-
-    # ------------------------------------------------------------------ between rounds
-    def apply_pending(self) -> bool:
-        """Apply every queued update (the engine calls this between rounds). Returns whether any applied."""
-        with self._lock:
-            return self._apply_locked()
-
-    def _apply_locked(self) -> bool:
-        applied = False
-        while self._queue:
-            update = self._queue.pop(0)
-            t0 = time.perf_counter()
-            try:
-                holder = self.holder()
-                params, _ = self._params(holder)
-                if update.version <= self.version:
-                    raise ValueError(f"version {update.version} is not newer than the draft's {self.version}")
-                names = tuple(update.names)
-                holder.apply_draft_update(update, params, names)
-            except ValueError as err:
-                discard = getattr(update, "discard", None)  # a receiver's update: tell the sender
-                if discard is not None:
-                    discard()
-                self.rejected += 1
-                log.warning("draft sync: update %s rejected, the draft stays at version %d: %s",
-                            getattr(update, "version", "?"), self.version, err)
-                continue
-            self.version = update.version
-            self._newest = max(self._newest, self.version)
-            self.count += 1
-            self.seconds += time.perf_counter() - t0
-            stats = getattr(update, "stats", None)
-            self.bytes += stats.bytes_received if stats is not None else getattr(update, "nbytes", 0)
-            applied = True
-        return applied
-
+    # ------------------------------------------------------------------ reporting
     def digest(self) -> int:
         """weights_digest (ssd/draft_server.py) of the draft the engine serves from; SSD asks the draft
         side itself, the worker process included (a debug check that it holds what was sent)."""
@@ -160,10 +97,10 @@ class DraftSync:
             return holder.draft_digest()
         return weights_digest(holder.draft_parameters())
 
-    def metrics(self) -> dict:
-        out = {"sync/draft_version": self.version, "sync/draft_rejected": self.rejected}
+    def metrics(self, queue) -> dict:
+        """The draft's sync counters; queue: the engine's draft UpdateQueue (version, rejected)."""
+        out = {names.SYNC_DRAFT_VERSION: queue.version, names.SYNC_DRAFT_REJECTED: queue.rejected}
         if self.count:
-            out.update({"sync/draft_count": self.count, "sync/draft_bytes": self.bytes,
-                        "sync/draft_seconds": self.seconds})
+            out.update({names.SYNC_DRAFT_COUNT: self.count, names.SYNC_DRAFT_BYTES: self.bytes,
+                        names.SYNC_DRAFT_SECONDS: self.seconds})
         return out
-

@@ -1,4 +1,5 @@
-"""Counters behind `engine.metrics()`, with DESIGN.md's names. Counters run since start or reset.
+"""Counters behind `engine.metrics()`, with DESIGN.md's names (spelled once, in metric_names.py).
+Counters run since start or reset.
 
 Acceptance (DESIGN.md): `spec/accept_rate` = accepted / judged, where a round judges its accepted
 draft tokens plus the rejected one, if any (it estimates THEORY's per-token a);
@@ -15,6 +16,8 @@ Time: `rollout/tokens_per_s` = all tokens / wall time of sample() (prefill inclu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from rollout_ssd import metric_names as names
 
 
 @dataclass
@@ -98,39 +101,40 @@ class EngineMetrics:
 
     def as_dict(self) -> dict:
         out = {
-            "rollout/tokens": self.tokens,
-            "rollout/seconds": self.seconds,
-            "rollout/tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0,
-            "rollout/tokens_per_round": self.round_tokens / self.rounds if self.rounds else 0.0,
-            "rollout/prefill_seconds": self.prefill_seconds,
+            names.ROLLOUT_TOKENS: self.tokens,
+            names.ROLLOUT_SECONDS: self.seconds,
+            names.ROLLOUT_TOKENS_PER_S: self.tokens / self.seconds if self.seconds else 0.0,
+            names.ROLLOUT_TOKENS_PER_ROUND: self.round_tokens / self.rounds if self.rounds else 0.0,
+            names.ROLLOUT_PREFILL_SECONDS: self.prefill_seconds,
         }
         decode_seconds = self.seconds - self.prefill_seconds
-        out["rollout/decode_tokens_per_s"] = (
+        out[names.ROLLOUT_DECODE_TOKENS_PER_S] = (
             (self.tokens - self.prefill_tokens) / decode_seconds if decode_seconds > 0 else 0.0)
         if self.syncs:
-            out.update({"sync/bytes": self.sync_bytes, "sync/seconds": self.sync_seconds, "sync/count": self.syncs})
+            out.update({names.SYNC_BYTES: self.sync_bytes, names.SYNC_SECONDS: self.sync_seconds,
+                        names.SYNC_COUNT: self.syncs})
         if self.ssd_rounds or self.ssd_strategy_rounds:
             out.update({
-                "ssd/hit_rate": self.ssd_hits / self.ssd_rounds if self.ssd_rounds else 0.0,
-                "ssd/hit_rate_warm": self.ssd_hits / self.ssd_warm if self.ssd_warm else 0.0,
-                "ssd/rounds": self.ssd_rounds,
-                "ssd/hits": self.ssd_hits,
-                "ssd/cold_rounds": self.ssd_rounds - self.ssd_warm,
-                "ssd/worker_failures": self.ssd_worker_failures,
-                "ssd/strategy_rounds": dict(self.ssd_strategy_rounds),
+                names.SSD_HIT_RATE: self.ssd_hits / self.ssd_rounds if self.ssd_rounds else 0.0,
+                names.SSD_HIT_RATE_WARM: self.ssd_hits / self.ssd_warm if self.ssd_warm else 0.0,
+                names.SSD_ROUNDS: self.ssd_rounds,
+                names.SSD_HITS: self.ssd_hits,
+                names.SSD_COLD_ROUNDS: self.ssd_rounds - self.ssd_warm,
+                names.SSD_WORKER_FAILURES: self.ssd_worker_failures,
+                names.SSD_STRATEGY_ROUNDS: dict(self.ssd_strategy_rounds),
             })
-            out.update({f"ssd/{name}": value for name, value in self.ssd_state.items()})
+            out.update({names.ssd_state(name): value for name, value in self.ssd_state.items()})
         if self.spec_rounds:
             total = self.draft_seconds + self.verify_seconds
             out.update({
-                "spec/accept_rate": self.accepted / self.judged if self.judged else 0.0,
-                "spec/accepted_per_proposed": self.accepted / self.proposed if self.proposed else 0.0,
-                "spec/accept_length": self.verify_lengths / self.spec_rounds,
-                "spec/proposed_per_round": self.proposed / self.spec_rounds,
-                "spec/draft_seconds": self.draft_seconds,
-                "spec/verify_seconds": self.verify_seconds,
-                "spec/draft_time_share": self.draft_seconds / total if total else 0.0,
+                names.SPEC_ACCEPT_RATE: self.accepted / self.judged if self.judged else 0.0,
+                names.SPEC_ACCEPTED_PER_PROPOSED: self.accepted / self.proposed if self.proposed else 0.0,
+                names.SPEC_ACCEPT_LENGTH: self.verify_lengths / self.spec_rounds,
+                names.SPEC_PROPOSED_PER_ROUND: self.proposed / self.spec_rounds,
+                names.SPEC_DRAFT_SECONDS: self.draft_seconds,
+                names.SPEC_VERIFY_SECONDS: self.verify_seconds,
+                names.SPEC_DRAFT_TIME_SHARE: self.draft_seconds / total if total else 0.0,
             })
             for i, (a, j) in enumerate(zip(self.pos_accepted, self.pos_judged), start=1):
-                out[f"spec/accept_rate_pos_{i}"] = a / j if j else 0.0
+                out[names.spec_accept_rate_pos(i)] = a / j if j else 0.0
         return out

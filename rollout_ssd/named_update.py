@@ -1,6 +1,6 @@
 """A weight update handed over in process as (HF name, tensor) pairs: checked in full on arrival,
-applied between rounds. One class serves target updates (`update_weights`) and draft updates
-(`update_draft_weights`); `what` names the caller in every error message."""
+applied between rounds by an `updates.UpdateQueue`. One class serves target updates (`update_weights`) and
+draft updates (`update_draft_weights`); `what` names the caller in every error message."""
 
 from __future__ import annotations
 

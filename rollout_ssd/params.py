@@ -1,11 +1,13 @@
-"""User-facing request parameters (DESIGN.md): `SamplingParams` and the `Rollout` result."""
+"""User-facing request parameters (DESIGN.md): a `Prompt`, `SamplingParams` and the `Rollout` result."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
+
+Prompt = Union[str, list[int]]  # text, or token ids
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The engine's loop: requests in, rounds run, finished sequences out (continuous batching).
 
-A `Request` is one call's sequences (one `sample` call, one HTTP request). Requests may be submitted
+A `Request` (request.py) is one call's sequences (one `sample` call, one HTTP request). Requests may be submitted
 from any thread at any time; each round the scheduler takes the new ones into its waiting queue,
 drops cancelled ones (freeing their slots), applies weight updates (between rounds only), admits and
 prefills waiting sequences into free KV slots, advances every running sequence by one round of the
@@ -15,115 +15,39 @@ what a request gets never depends on which other requests shared its rounds.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
 from collections import deque
 from typing import Callable, Optional
 
+from rollout_ssd.decode import DecodeStrategy, sample_rows
+from rollout_ssd.metrics import EngineMetrics
+from rollout_ssd.request import Request, RequestCancelled
+from rollout_ssd.runner import ModelRunner
 from rollout_ssd.sequence import Sequence
 
 log = logging.getLogger(__name__)
-
-_ids = itertools.count(1)
-
-
-class RequestCancelled(RuntimeError):
-    """The request was cancelled before it finished."""
-
-
-class Request:
-    """One submitted call: its sequences, its progress listener, and how its caller waits.
-
-    listener(request, finished) is called on the driver thread after every round in which the
-    request's sequences emitted tokens, and once more with finished=True when it ends (done,
-    cancelled or failed). It must be quick and must not call back into the engine."""
-
-    def __init__(self, seqs: list[Sequence], listener: Optional[Callable] = None, bar=None,
-                 build: Optional[Callable] = None):
-        self.id = next(_ids)
-        self.seqs = seqs
-        self.listener = listener
-        self.bar = bar
-        self.error: Optional[BaseException] = None
-        self.cancelled = False
-        self.submitted_at = time.perf_counter()
-        self._build = build
-        self._done = threading.Event()
-        self._emitted = 0
-        for s in seqs:
-            s.request_id = self.id
-        if not seqs:
-            self._done.set()
-
-    def cancel(self) -> None:
-        """Ask the scheduler to drop this request; its slots are freed before the next round."""
-        self.cancelled = True
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        return self._done.wait(timeout)
-
-    def result(self, timeout: Optional[float] = None):
-        """Block until done; return the rollouts (raises the error that ended it, RequestCancelled if
-        cancelled, TimeoutError if not done in time)."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.id} not done after {timeout} s")
-        if self.error is not None:
-            raise self.error
-        if self.cancelled and not all(s.finished and s.finish_reason != "abort" for s in self.seqs):
-            raise RequestCancelled(f"request {self.id} was cancelled")
-        return self._build(self.seqs) if self._build is not None else self.seqs
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
-
-    def _notify(self, finished: bool) -> None:
-        emitted = self.num_tokens
-        if self.bar is not None and emitted != self._emitted:
-            rate = emitted / max(time.perf_counter() - self.submitted_at, 1e-9)
-            self.bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
-        if self.listener is not None and (finished or emitted != self._emitted):
-            try:
-                self.listener(self, finished)
-            except Exception:  # a listener's failure must not break the other requests' rounds
-                log.exception("request %d: listener failed", self.id)
-        self._emitted = emitted
-
-    def _finish(self, error: Optional[BaseException] = None) -> None:
-        if self._done.is_set():
-            return
-        self.error = error
-        for s in self.seqs:
-            if not s.finished:
-                s.finish_reason = "abort"
-        self._done.set()
-        self._notify(True)
-        if self.bar is not None:
-            self.bar.close()
 
 
 class Scheduler:
     """Waiting / running sequences over a runner's KV slots, driven one round at a time.
 
-    The engine hands it its pieces as callables so that this module owns the loop and nothing else:
-    between_rounds(running) applies queued weight updates; prefill(seqs) -> tokens emitted;
-    step(running) -> tokens emitted (the decode strategy's round); release(seq) frees a slot;
-    version() is the weight version now served; add_time(seconds, tokens) records a busy period."""
+    The loop's phases, each a method: take new requests in, drop cancelled ones, apply queued weight
+    updates (`apply_updates`, the between-rounds hook), admit waiting sequences into free slots and
+    prefill them (`_admit`, `_prefill`), one round of the decode strategy, retire finished sequences
+    (`_retire`) and release their slots (`_release`).
+    strategy() is the engine's decode strategy (looked up each round); updates() applies queued weight
+    updates and returns whether the target's weights changed; version() is the target weight version
+    served now; stats receives prefill and busy time."""
 
-    def __init__(self, runner, *, between_rounds: Callable, prefill: Callable, step: Callable,
-                 release: Callable, version: Callable[[], int], add_time: Callable):
+    def __init__(self, runner: ModelRunner, strategy: Callable[[], DecodeStrategy], stats: EngineMetrics, *,
+                 updates: Callable[[], bool], version: Callable[[], int]):
         self.runner = runner
-        self._between_rounds = between_rounds
-        self._prefill = prefill
-        self._step = step
-        self._release = release
+        self._strategy = strategy
+        self._stats = stats
+        self._updates = updates
         self._version = version
-        self._add_time = add_time
         self._cond = threading.Condition()
         self._inbox: deque[Request] = deque()
         self._live: dict[int, Request] = {}
@@ -262,7 +186,7 @@ class Scheduler:
                         paused = False
                     idle = not self._live or (self._closed and not inline)
                 if idle:
-                    self._between_rounds([])  # updates queued during the last round apply now
+                    self.apply_updates([])  # updates queued during the last round apply now
                     with self._cond:
                         self._take_inbox()
                         if not self._live or self._closed:
@@ -271,7 +195,7 @@ class Scheduler:
                     continue
                 if paused:
                     self._drop_cancelled()
-                    self._between_rounds(self.running)
+                    self.apply_updates(self.running)
                     continue
                 produced += self._round()
         except BaseException as err:
@@ -282,31 +206,72 @@ class Scheduler:
             raise
         finally:
             if produced:
-                self._add_time(time.perf_counter() - start, produced)
+                self._stats.add_time(time.perf_counter() - start, produced)
 
     def _round(self) -> int:
+        """One round, phase by phase; returns the tokens it emitted."""
         self._drop_cancelled()
-        self._between_rounds(self.running)
-        produced = 0
+        self.apply_updates(self.running)
+        produced = self._admit()
+        self._retire()
+        if self.running:
+            produced += self._strategy().step(self.running)
+            self._retire()
+        self._report()
+        return produced
+
+    # ------------------------------------------------------------------ the phases
+    def apply_updates(self, running: list[Sequence]) -> None:
+        """Apply queued weight updates (between rounds only). Running sequences' target KV was computed
+        under the old weights, so it is recomputed under the new ones: each later token is then verified
+        under exactly the version its rollout reports."""
+        if not self._updates():
+            return
+        self._strategy().on_weights_changed()
+        if running:
+            for seq in running:
+                self.runner.rollback(seq.slot, 0)
+            self.runner.prefill([s.slot for s in running], [s.all_token_ids[:-1] for s in running])
+
+    def _admit(self) -> int:
+        """Give waiting sequences the free KV slots and prefill them; returns the tokens they emitted."""
         admitted = []
         while self.waiting and self.runner.cache.num_free > 0:
             seq = self.waiting.popleft()
             seq.slot = self.runner.allocate()
             admitted.append(seq)
-        if admitted:
-            self.running.extend(admitted)  # before the prefill, so a failure in it releases them too
-            produced += self._prefill(admitted)
-        self._retire()
-        if self.running:
-            produced += self._step(self.running)
-            self._retire()
+        if not admitted:
+            return 0
+        self.running.extend(admitted)  # before the prefill, so a failure in it releases them too
+        return self._prefill(admitted)
+
+    def _prefill(self, seqs: list[Sequence]) -> int:
+        """One ragged prefill of the admitted prompts; each sequence's first token is sampled from its
+        prefill logits."""
+        t0 = time.perf_counter()
+        strategy = self._strategy()
+        strategy.before_prefill(seqs)
+        logits = self.runner.prefill([s.slot for s in seqs], [s.prompt_token_ids for s in seqs])
+        strategy.on_admit(seqs)
+        tokens, logprobs = sample_rows(seqs, logits)
+        produced = sum(s.append([t], [lp]) for s, t, lp in zip(seqs, tokens, logprobs))
+        self._stats.add_prefill(time.perf_counter() - t0, produced)
+        return produced
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.slot >= 0:
+            self._strategy().on_release(seq)
+            self.runner.free(seq.slot)
+            seq.slot = -1
+
+    def _report(self) -> None:
+        """End the requests whose sequences all finished; tell the others' listeners of progress."""
         for req in list(self._live.values()):
             if all(s.finished for s in req.seqs):
                 del self._live[req.id]
                 req._finish()
             else:
                 req._notify(False)
-        return produced
 
     def _take_inbox(self) -> None:
         while self._inbox:

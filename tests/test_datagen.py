@@ -25,9 +25,9 @@ from rollout_ssd.datagen import (  # noqa: E402
     _postfix,
     generate_dataset,
     load_generated,
-    load_prompts,
     read_manifest,
 )
+from rollout_ssd.prompt_files import load_prompts  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_PROMPTS = 12

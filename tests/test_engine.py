@@ -301,3 +301,29 @@ def test_sampled_rollouts_end_at_their_first_stop_token(tiny_llama):
         else:
             assert r.finish_reason == "length" and not hits and len(r.token_ids) == 10
     assert {r.finish_reason for r in out} == {"stop", "length"}
+
+
+def test_every_method_and_speculator_name_has_a_builder():
+    """config.METHODS / SPECULATORS are the one source of names; methods.py builds each of them."""
+    from rollout_ssd.config import METHODS, SPECULATORS
+    from rollout_ssd.methods import METHOD_BUILDERS, SPECULATOR_BUILDERS
+
+    assert set(METHOD_BUILDERS) == set(METHODS)
+    assert set(SPECULATOR_BUILDERS) == set(SPECULATORS)
+
+
+def test_metric_names_are_the_documented_ones():
+    """The constants spell DESIGN.md's names (dashboards and JSONL records key on them)."""
+    from rollout_ssd import metric_names as names
+
+    assert (names.ROLLOUT_TOKENS_PER_S, names.ROLLOUT_TOKENS_PER_ROUND) == ("rollout/tokens_per_s",
+                                                                             "rollout/tokens_per_round")
+    assert (names.SPEC_ACCEPT_RATE, names.SPEC_ACCEPT_LENGTH, names.SPEC_ACCEPTED_PER_PROPOSED) == (
+        "spec/accept_rate", "spec/accept_length", "spec/accepted_per_proposed")
+    assert names.spec_accept_rate_pos(2) == "spec/accept_rate_pos_2"
+    assert (names.SSD_HIT_RATE, names.SSD_STRATEGY, names.ssd_state("T_p")) == ("ssd/hit_rate", "ssd/strategy",
+                                                                                "ssd/T_p")
+    assert (names.SYNC_VERSION, names.SYNC_BYTES, names.SYNC_SECONDS, names.SYNC_REJECTED) == (
+        "sync/version", "sync/bytes", "sync/seconds", "sync/rejected")
+    assert (names.SYNC_DRAFT_VERSION, names.SYNC_DRAFT_REJECTED) == ("sync/draft_version", "sync/draft_rejected")
+    assert names.DRIFT_KL_TARGET_DRAFT == "drift/kl_target_draft"

@@ -25,9 +25,9 @@ import torch
 
 from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig
 from rollout_ssd.models.loader import load_pretrained
+from rollout_ssd.request import RequestCancelled
 from rollout_ssd.rl.tasks import ALPHABET
 from rollout_ssd.rl.tiny import build_tiny_pair
-from rollout_ssd.scheduler import RequestCancelled
 
 THREAD = "rollout-ssd-scheduler"
 MAX_LEN = 128
@@ -513,7 +513,7 @@ def test_listener_progress_and_a_failing_listener(models, caplog):
         bad_calls.append(done)
         raise RuntimeError("listener boom")
 
-    with caplog.at_level(logging.ERROR, logger="rollout_ssd.scheduler"), _engine(target) as engine:
+    with caplog.at_level(logging.ERROR, logger="rollout_ssd.request"), _engine(target) as engine:
         engine.pause()
         good = engine.submit(*good_args, listener=listener)
         bad = engine.submit(*bad_args, listener=failing)

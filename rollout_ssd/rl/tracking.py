@@ -33,12 +33,14 @@ import threading
 import time
 from pathlib import Path
 
+from rollout_ssd import metric_names as names
+
 logger = logging.getLogger(__name__)
 
 WANDB_MODES = ("offline", "online", "disabled")
-VERSION_PANELS = (("ssd/hit_rate", "SSD hit rate"), ("spec/accept_rate", "acceptance (spec/accept_rate)"),
-                  ("drift/kl_target_draft", "KL(target || draft)"))
-STEP_PANEL = ("rollout/tokens_per_s", "rollout tokens/s")
+VERSION_PANELS = ((names.SSD_HIT_RATE, "SSD hit rate"), (names.SPEC_ACCEPT_RATE, f"acceptance ({names.SPEC_ACCEPT_RATE})"),
+                  (names.DRIFT_KL_TARGET_DRAFT, "KL(target || draft)"))
+STEP_PANEL = (names.ROLLOUT_TOKENS_PER_S, "rollout tokens/s")
 
 
 def _plain(value, key: str):
@@ -194,7 +196,7 @@ class RunLogger:
             try:
                 if self.run is not None:
                     if self._version_rows:
-                        self.run.log({"drift/versions": self._versions_table()})
+                        self.run.log({names.DRIFT_VERSIONS: self._versions_table()})
                     self.run.finish()
             finally:
                 self._metrics_file.close()
@@ -265,7 +267,7 @@ class _RunRows:
 
 
 def _version_of(row: dict):
-    v = row.get("version", row.get("sync/version"))
+    v = row.get("version", row.get(names.SYNC_VERSION))
     return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
+from rollout_ssd import metric_names as names
+
 
 class _EngineCollector:
     def __init__(self, engine, server):
@@ -50,11 +52,11 @@ class _EngineCollector:
         yield gauge("rollout_ssd:weight_version", "Target weight version served.", self.engine.weight_version)
         yield gauge("rollout_ssd:draft_version", "Draft weight version.", self.engine.draft_version)
         yield gauge("rollout_ssd:ssd_hit_rate", "SSD rounds served from the speculation cache / SSD rounds.",
-                    m.get("ssd/hit_rate", 0.0))
+                    m.get(names.SSD_HIT_RATE, 0.0))
         yield gauge("rollout_ssd:accept_rate", "Accepted / judged draft tokens (spec/accept_rate).",
-                    m.get("spec/accept_rate", 0.0))
+                    m.get(names.SPEC_ACCEPT_RATE, 0.0))
         yield gauge("rollout_ssd:tokens_per_s", "Tokens per second while busy (rollout/tokens_per_s).",
-                    m.get("rollout/tokens_per_s", 0.0))
+                    m.get(names.ROLLOUT_TOKENS_PER_S, 0.0))
         yield gauge("rollout_ssd:paused", "1 while paused.", float(self.engine.scheduler.paused))
         rounds = CounterMetricFamily("rollout_ssd:ssd_strategy_rounds", "Batch rounds run under each SSD strategy.",
                                      labels=["strategy"])
@@ -62,7 +64,8 @@ class _EngineCollector:
             rounds.add_metric([str(strategy)], count)
         yield rounds
         info = InfoMetricFamily("rollout_ssd:strategy", "Decoding method and the SSD rule's latest choice.")
-        info.add_metric([], {"method": self.engine.spec.method, "strategy": str(m.get("ssd/strategy", self.engine.spec.method))})
+        method = self.engine.spec.method
+        info.add_metric([], {"method": method, "strategy": str(m.get(names.SSD_STRATEGY, method))})
         yield info
 
 

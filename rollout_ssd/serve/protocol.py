@@ -1,4 +1,5 @@
-"""Request schemas of the OpenAI / vLLM-compatible endpoints, and their mapping onto `SamplingParams`.
+"""Request schemas of the OpenAI / vLLM-compatible endpoints, and their mapping onto `SamplingParams`
+(plus `json_object`, the one parser of a JSON request body).
 
 Fields follow OpenAI's completions and chat APIs plus the vLLM extras that RL clients send (`top_k`,
 `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `return_token_ids`,
@@ -9,6 +10,7 @@ accepted at that value only, since the engine samples exactly the target's law a
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
@@ -154,3 +156,14 @@ def check_chat(req: ChatRequest) -> None:
                          "tool_choice='none' is honoured", "tool_choice")
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise BadRequest("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+
+
+async def json_object(raw) -> dict:
+    """The request body as a JSON object (BadRequest naming `body` otherwise)."""
+    try:
+        data = json.loads(await raw.body() or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise BadRequest(f"the body is not valid JSON: {err}", "body") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the body must be a JSON object", "body")
+    return data
