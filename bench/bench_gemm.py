@@ -6,7 +6,7 @@ interleaved; the fastest of --repeats runs, the least disturbed one on a shared 
   colmajor x@W.T   F.linear over a column-major W (the layers' storage; what one-row decode uses)
   rowmajor W@x.T   torch.mm(W, x.T) over a row-major copy (`decoder.linear`'s multi-row form before padding)
   rowmajor x@W.T   F.linear over a row-major W (the usual nn.Linear layout, for reference)
-  padded W@x.T     rowmajor W@x.T with x padded by zero rows to `decoder.gemm_rows(M)`
+  padded W@x.T     rowmajor W@x.T with x padded by zero rows to `cpu_backend.gemm_rows(M)`
   decoder.linear   what the decoder runs: one of the above by M and the thread count
 Run:
 
@@ -26,7 +26,7 @@ from common import add_repo_to_path, machine_note, print_json_line, print_table,
 
 add_repo_to_path()
 
-from rollout_ssd.models.decoder import WeightCopies, gemm_rows, linear, padded_mm_t  # noqa: E402
+from rollout_ssd.models.cpu_backend import WeightCopies, gemm_rows, linear, padded_mm_t  # noqa: E402
 
 SHAPES = [(768, 576), (576, 576), (3072, 576), (576, 1536)]  # fused qkv, o, fused gate|up, down
 LAYERS = 30

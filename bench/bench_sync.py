@@ -39,9 +39,10 @@ from common import add_repo_to_path, machine_note, print_json_line, print_table
 add_repo_to_path()
 
 from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig  # noqa: E402
-from rollout_ssd.distill import build_prompts, chat_prompt_ids, make_draft  # noqa: E402
-from rollout_ssd.draft_follow import DraftFollower, FollowConfig  # noqa: E402
-from rollout_ssd.drift import DriftLog, kl_target_draft, token_mult_prob_error  # noqa: E402
+from rollout_ssd.draft.build import make_draft  # noqa: E402
+from rollout_ssd.draft.drift import DriftLog, kl_target_draft, token_mult_prob_error  # noqa: E402
+from rollout_ssd.draft.follow import DraftFollower, FollowConfig  # noqa: E402
+from rollout_ssd.draft.prompts import build_prompts, chat_prompt_ids  # noqa: E402
 from rollout_ssd.models.loader import LoadedModel, load_pretrained  # noqa: E402
 from rollout_ssd.models.registry import DEFAULT_TARGET, resolve_draft  # noqa: E402
 from rollout_ssd.weight_sync import (  # noqa: E402

@@ -60,7 +60,7 @@ def bench_prompts(tokenizer, prompt_set: str, count: int) -> list[list[int]]:
       the draft's PROVENANCE.md): new prompts of the kinds it was distilled on, as in an RL job whose
       draft is distilled on the policy's own prompt set."""
     add_repo_to_path()
-    from rollout_ssd.distill import build_prompts, chat_prompt_ids
+    from rollout_ssd.draft.prompts import build_prompts, chat_prompt_ids
 
     if prompt_set == "templates":
         texts = build_prompts(8000, count, seed=0).heldout

@@ -5,7 +5,7 @@
 - `unseen`: 32 training-template prompts no data cache sampled (`common.bench_prompts` defines both).
 
 Per set, the expected per-token acceptance along target-sampled continuations of at most 96 tokens
-(`distill.measure_acceptance`: greedy P[argmax q = argmax p], T=1 sum_x min(p, q)). Run:
+(`draft.acceptance.measure_acceptance`: greedy P[argmax q = argmax p], T=1 sum_x min(p, q)). Run:
 
     .venv/bin/python bench/eval_draft.py                          # the default draft, both sets
     .venv/bin/python bench/eval_draft.py --draft /path/to/ckpt --sets unseen
@@ -20,7 +20,7 @@ from common import PROMPT_SETS, add_repo_to_path, bench_prompts, load_default_pa
 
 add_repo_to_path()
 
-from rollout_ssd import distill  # noqa: E402
+from rollout_ssd.draft.acceptance import measure_acceptance  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -49,7 +49,7 @@ def main(argv=None):
     for name in args.sets:
         ids = bench_prompts(target.tokenizer, name, args.prompts)
         for temperature in (0.0, 1.0):
-            acc = distill.measure_acceptance(target.model, draft.model, ids, temperature, args.max_new_tokens)
+            acc = measure_acceptance(target.model, draft.model, ids, temperature, args.max_new_tokens)
             rows.append({"set": name, "T": temperature, "accept": acc.accept_rate, "positions": acc.positions,
                          "sequences": acc.sequences})
             print(rows[-1], flush=True)

@@ -22,6 +22,8 @@ Shapes: q [Nq, Hq, D] (one row per branch query, all sequences flattened); k_cac
 h reads kv head h // g); out [Nq, Hq, D] in q's dtype. Every query sees at least its current token.
 
 This file needs only torch; the Triton kernel lives in tree_attention.py and reads the same metadata.
+The engine does not call either yet (rollout_ssd/models/attention.py: its attention is PyTorch SDPA,
+and ssd/tree.py builds its own tree mask); they are the GPU kernel and its references, tested here.
 """
 
 import copy

@@ -1,5 +1,8 @@
 """Triton tree attention for SSD branch decoding (layout and semantics: see reference.py).
 
+A GPU kernel not yet wired into the engine (rollout_ssd's attention is PyTorch SDPA on every device,
+models/attention.py); the tests run it under Triton's CPU interpreter, against the fp64 reference.
+
 One program per (query, kv head) computes the g = Hq / Hkv query heads that share the kv head as the
 rows of one tile, so each key block is loaded once per GQA group. It walks only the keys the query
 sees: its three spans (prefix, glue up to the fork depth, its own branch), in blocks of BLOCK_N, with

@@ -1,4 +1,4 @@
-"""Distil the default draft of a target: on-policy target samples + forward KL (rollout_ssd.distill).
+"""Distil the default draft of a target: on-policy target samples + forward KL (rollout_ssd.draft).
 
     python -m recipes.distill_draft --out rollout_ssd/assets/drafts/smollm2-135m-instruct-draft
 
@@ -67,11 +67,11 @@ def temperature_mix(spec: str, n: int, seed: int) -> list[float]:
 
 
 def sample_data(args, target, prompt_ids):
-    from rollout_ssd import distill
+    from rollout_ssd.draft import on_policy, teacher
 
     samples, next_prompt = [], args.first_prompt
     if args.data_cache and Path(args.data_cache).is_file():
-        samples, next_prompt = distill.load_samples(args.data_cache)
+        samples, next_prompt = teacher.load_samples(args.data_cache)
         log.info("loaded %d cached samples (%d tokens) from %s", len(samples),
                  sum(s.num_completion for s in samples), args.data_cache)
     temps = temperature_mix(args.temperatures, len(prompt_ids), args.seed)
@@ -81,7 +81,7 @@ def sample_data(args, target, prompt_ids):
         if time.monotonic() > deadline:
             break
         chunk = range(next_prompt, min(next_prompt + args.chunk_prompts, len(prompt_ids)))
-        got = distill.sample_with_teacher(target, [prompt_ids[i] for i in chunk], [temps[i] for i in chunk],
+        got = on_policy.sample_with_teacher(target, [prompt_ids[i] for i in chunk], [temps[i] for i in chunk],
                                           args.max_new_tokens, args.top_k, args.gen_batch_size,
                                           seed=args.seed + next_prompt, deadline=deadline)
         samples.extend(got)
@@ -90,7 +90,7 @@ def sample_data(args, target, prompt_ids):
         log.info("data: %d samples, %d tokens, %.0f s (%.1f tok/s this run)", len(samples), n,
                  time.monotonic() - start_t, n / max(time.monotonic() - start_t, 1e-9))
         if args.data_cache:
-            distill.save_samples(args.data_cache, samples, next_prompt)
+            teacher.save_samples(args.data_cache, samples, next_prompt)
     return samples, time.monotonic() - start_t
 
 
@@ -102,14 +102,16 @@ def main(argv=None) -> int:
     command = "python -m recipes.distill_draft " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     log.info("config: %s", json.dumps(vars(args), sort_keys=True))
 
-    from rollout_ssd import distill
+    from rollout_ssd.draft import acceptance, build, checkpoint, prompts, teacher, train
     from rollout_ssd.models.loader import load_pretrained
 
     target = load_pretrained(args.target, dtype="float32")
     model = target.model
-    split = distill.build_prompts(args.num_prompts, args.heldout_prompts, args.seed)
-    train_ids = distill.chat_prompt_ids(target.tokenizer, split.train)
-    heldout_ids = distill.chat_prompt_ids(target.tokenizer, split.heldout)
+    if not args.data_only:  # a draft that could not be saved is refused before any data or training
+        log.info("checkpoint: at most %d bytes (limit %d)", check_size_first(args, model), checkpoint.MAX_CHECKPOINT_BYTES)
+    split = prompts.build_prompts(args.num_prompts, args.heldout_prompts, args.seed)
+    train_ids = prompts.chat_prompt_ids(target.tokenizer, split.train)
+    heldout_ids = prompts.chat_prompt_ids(target.tokenizer, split.heldout)
 
     samples, data_s = sample_data(args, model, train_ids)
     if args.data_only:
@@ -117,7 +119,7 @@ def main(argv=None) -> int:
                  args.data_cache)
         return 0
     for extra in args.extra_data:
-        samples = samples + distill.load_samples(extra)[0]
+        samples = samples + teacher.load_samples(extra)[0]
         log.info("added %s: now %d samples", extra, len(samples))
     data_tokens = sum(s.num_completion for s in samples)
     if args.init_from:
@@ -125,32 +127,57 @@ def main(argv=None) -> int:
         head = draft.head_token_ids.detach().clone()
         log.info("warm start from %s (%d layers, head %d)", args.init_from, draft.cfg.num_layers, len(head))
     else:
-        head = distill.select_head_tokens(samples, args.head_size, always=model.cfg.eos_token_ids)
-        draft = distill.make_draft(model, head, args.layers)
-    log.info("head: %d tokens cover %.3f of training completion tokens", len(head), distill.coverage(head, samples))
+        head = build.select_head_tokens(samples, args.head_size, always=model.cfg.eos_token_ids)
+        draft = build.make_draft(model, head, args.layers)
+    log.info("head: %d tokens cover %.3f of training completion tokens", len(head), build.coverage(head, samples))
     results = {}
     if args.eval_init:
-        results["init_greedy"] = distill.measure_acceptance(model, draft, heldout_ids, 0.0, args.eval_max_new_tokens)
+        results["init_greedy"] = acceptance.measure_acceptance(model, draft, heldout_ids, 0.0, args.eval_max_new_tokens)
         log.info("untrained draft: %s", results["init_greedy"])
-    config = distill.DistillConfig(lr=args.lr, batch_tokens=args.batch_tokens, minutes=args.minutes,
-                                   max_steps=args.max_steps, weight_decay=args.weight_decay, seed=args.seed)
-    stats = distill.train_draft(draft, samples, config, on_log=lambda d: log.info("train %s", d))
+    config = train.DistillConfig(lr=args.lr, batch_tokens=args.batch_tokens, minutes=args.minutes,
+                                 max_steps=args.max_steps, weight_decay=args.weight_decay, seed=args.seed)
+    stats = train.train_draft(draft, samples, config, on_log=lambda d: log.info("train %s", d))
     log.info("trained: %s", stats)
-    distill.round_weights(draft, torch.bfloat16)
+    build.round_weights(draft, torch.bfloat16)
 
-    greedy = distill.measure_acceptance(model, draft, heldout_ids, 0.0, args.eval_max_new_tokens)
+    greedy = acceptance.measure_acceptance(model, draft, heldout_ids, 0.0, args.eval_max_new_tokens)
     log.info("held-out greedy: %s", greedy)
-    t1 = distill.measure_acceptance(model, draft, heldout_ids, 1.0, args.eval_max_new_tokens)
+    t1 = acceptance.measure_acceptance(model, draft, heldout_ids, 1.0, args.eval_max_new_tokens)
     log.info("held-out T=1: %s", t1)
-    cost = distill.measure_cost(model, draft)
+    cost = acceptance.measure_cost(model, draft)
     log.info("cost: %s", cost)
 
     out = Path(args.out)
-    size = distill.save_draft(draft, distill.draft_hf_config(target.hf_config, draft.cfg.num_layers, len(head)), out)
-    write_provenance(out / "PROVENANCE.md", command, args, split, data_tokens, len(samples), data_s, head,
-                     distill.coverage(head, samples), config, stats, greedy, t1, cost, size, results)
+    provenance = (command, args, split, data_tokens, len(samples), data_s, head, build.coverage(head, samples), config,
+                  stats, greedy, t1, cost)
+    try:
+        size = checkpoint.save_draft(draft, build.draft_hf_config(target.hf_config, draft.cfg.num_layers, len(head)), out)
+    except checkpoint.CheckpointTooLarge as err:
+        if err.kept_at is not None:
+            write_provenance(err.kept_at / "PROVENANCE.md", *provenance, (err.kept_at / "model.safetensors").stat().st_size,
+                             results)
+        log.error("%s", err)
+        return 1
+    write_provenance(out / "PROVENANCE.md", *provenance, size, results)
     log.info("wrote %s (%d bytes)", out, size)
     return 0
+
+
+def check_size_first(args, model) -> int:
+    """The draft's checkpoint size from its config, refused (CheckpointTooLarge) before any data is
+    sampled or any step trained if save_draft would refuse it at the end."""
+    from rollout_ssd.draft.build import draft_config
+    from rollout_ssd.draft.checkpoint import check_checkpoint_size
+
+    if args.init_from:
+        from transformers import AutoConfig
+
+        from rollout_ssd.models.config import model_config_from_hf
+
+        cfg = model_config_from_hf(AutoConfig.from_pretrained(args.init_from, local_files_only=True))
+    else:
+        cfg = draft_config(model.cfg, args.layers, args.head_size)
+    return check_checkpoint_size(cfg)
 
 
 def write_provenance(path, command, args, split, data_tokens, num_samples, data_s, head, cov, config, stats,
@@ -163,7 +190,7 @@ def write_provenance(path, command, args, split, data_tokens, num_samples, data_
             f"({', '.join(args.extra_data) or 'none'}).\n" if args.init_from else "")
     text = f"""# Default draft for SmolLM2-135M-Instruct: provenance
 
-Made by the project's distillation command (`recipes/distill_draft.py`, library `rollout_ssd/distill.py`):
+Made by the project's distillation command (`recipes/distill_draft.py`, library `rollout_ssd/draft/`):
 
 ```
 {command}
@@ -179,7 +206,7 @@ torch {torch.__version__}, {torch.get_num_threads()} CPU thread(s), float32 comp
   Verification stays exact: q is the distribution the draft samples from and it is 0 outside the head.
 
 ## Data (seed {args.seed})
-- Prompts: procedural (`distill.build_prompts`): questions, explanations, lists, stories/poems, instructions,
+- Prompts: procedural (`prompts.build_prompts`): questions, explanations, lists, stories/poems, instructions,
   code requests, arithmetic word problems; chat template applied. Held-out prompts ({len(split.heldout)}) use a
   template of each kind that training never uses, filled from another seed.
 - Completions sampled on-policy from the target (`{args.target}`, float32) with the engine's sampling law,

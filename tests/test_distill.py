@@ -1,4 +1,4 @@
-"""Draft distillation (rollout_ssd.distill) on a tiny random Llama, and the committed default draft."""
+"""Draft distillation (rollout_ssd.draft) on a tiny random Llama, and the committed default draft."""
 
 from pathlib import Path
 from types import SimpleNamespace
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rollout_ssd import distill
+from rollout_ssd.draft import acceptance, build, checkpoint, loss, on_policy, prompts, teacher, train
 from rollout_ssd.models.loader import load_pretrained
 
 
@@ -32,34 +32,45 @@ def tiny_data(tiny_target):
     prompts = [torch.randint(3, 96, (int(torch.randint(3, 8, (), generator=gen)),), generator=gen).tolist()
                for _ in range(12)]
     temps = [1.0, 0.7, 0.0] * 4
-    return distill.sample_with_teacher(tiny_target.model, prompts, temps, max_new_tokens=12, top_k=16,
+    return on_policy.sample_with_teacher(tiny_target.model, prompts, temps, max_new_tokens=12, top_k=16,
                                        batch_size=5, seed=0)
 
 
 def test_build_prompts_splits_by_template():
-    split = distill.build_prompts(200, 40, seed=0)
+    split = prompts.build_prompts(200, 40, seed=0)
     assert len(split.train) == 200 and len(split.heldout) == 40
     assert not set(split.train) & set(split.heldout)
     assert len(set(split.train)) == 200
     assert any("How many" in p for p in split.train)  # arithmetic word problems are in the mix
-    assert split == distill.build_prompts(200, 40, seed=0)
+    assert split == prompts.build_prompts(200, 40, seed=0)
 
 
 def test_teacher_records_match_a_separate_teacher_pass(tiny_target, tiny_data):
     """The top-k recorded while sampling equals the top-k of a forward over prompt + completion."""
     sample = tiny_data[0]
-    again = distill.teacher_topk(tiny_target.model, [sample.token_ids], [sample.prompt_len], top_k=16)[0]
+    again = teacher.teacher_topk(tiny_target.model, [sample.token_ids], [sample.prompt_len], top_k=16)[0]
     assert torch.equal(again.topk_ids, sample.topk_ids)
     torch.testing.assert_close(again.topk_logp.float(), sample.topk_logp.float(), atol=2e-3, rtol=0)
 
 
+def test_teacher_sampling_stops_at_the_deadline(tiny_target):
+    """Past the deadline no prompt starts: nothing is sampled, and no sample is returned."""
+    import time
+
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    assert on_policy.sample_with_teacher(tiny_target.model, prompts, [1.0, 0.0], max_new_tokens=4,
+                                         deadline=time.monotonic() - 1.0) == []
+    assert on_policy.sample_continuations(tiny_target.model, prompts, [1.0, 0.0], 4,
+                                          deadline=time.monotonic() - 1.0) == [[], []]
+
+
 def test_distillation_reduces_kl(tiny_target, tiny_data):
-    head = distill.select_head_tokens(tiny_data, 48, always=[2])
-    draft = distill.make_draft(tiny_target.model, head, num_layers=1)
-    before = distill.eval_kl(draft, tiny_data)
-    stats = distill.train_draft(draft, tiny_data, distill.DistillConfig(lr=3e-3, warmup_steps=2, batch_tokens=40,
+    head = build.select_head_tokens(tiny_data, 48, always=[2])
+    draft = build.make_draft(tiny_target.model, head, num_layers=1)
+    before = loss.eval_kl(draft, tiny_data)
+    stats = train.train_draft(draft, tiny_data, train.DistillConfig(lr=3e-3, warmup_steps=2, batch_tokens=40,
                                                                        minutes=1.0, max_steps=60))
-    after = distill.eval_kl(draft, tiny_data)
+    after = loss.eval_kl(draft, tiny_data)
     assert stats.steps == 60
     assert after < 0.5 * before, (before, after)
     assert not any(p.requires_grad for p in draft.parameters())
@@ -67,14 +78,14 @@ def test_distillation_reduces_kl(tiny_target, tiny_data):
 
 
 def test_saved_draft_reloads_with_shared_embedding(tiny_target, tiny_data, tmp_path):
-    head = distill.select_head_tokens(tiny_data, 40, always=[2])
-    draft = distill.make_draft(tiny_target.model, head, num_layers=2)
+    head = build.select_head_tokens(tiny_data, 40, always=[2])
+    draft = build.make_draft(tiny_target.model, head, num_layers=2)
     with torch.no_grad():
-        for p in distill.trainable_parameters(draft):
+        for p in build.trainable_parameters(draft):
             p.add_(0.01 * torch.randn_like(p))
-    distill.round_weights(draft)
-    hf = distill.draft_hf_config(tiny_target.hf_config, 2, len(head))
-    size = distill.save_draft(draft, hf, tmp_path)
+    build.round_weights(draft)
+    hf = build.draft_hf_config(tiny_target.hf_config, 2, len(head))
+    size = checkpoint.save_draft(draft, hf, tmp_path)
     from safetensors.torch import load_file
 
     stored = load_file(str(tmp_path / "model.safetensors"))
@@ -95,12 +106,46 @@ def test_saved_draft_reloads_with_shared_embedding(tiny_target, tiny_data, tmp_p
     assert torch.isinf(got[..., [t for t in range(96) if t not in set(head.tolist())]]).all()
 
 
+def test_checkpoint_size_is_checked_before_training(tiny_target, tiny_data, tmp_path):
+    """The checkpoint's size is known from the draft's config alone (parameters x dtype bytes, the
+    shared embedding left out): it is exactly what save_draft stores, so a draft over the limit is
+    refused before the first training step, not after the run. A save refused at the end still keeps
+    the weights (beside the target folder, never in it)."""
+    from safetensors.torch import load_file
+
+    head = build.select_head_tokens(tiny_data, 40, always=[2])
+    cfg = build.draft_config(tiny_target.model.cfg, 2, len(head))
+    draft = build.make_draft(tiny_target.model, head, num_layers=2)
+    assert draft.cfg == cfg
+    size = checkpoint.save_draft(draft, build.draft_hf_config(tiny_target.hf_config, 2, len(head)), tmp_path / "ok")
+    stored = load_file(str(tmp_path / "ok" / "model.safetensors"))
+    assert sum(t.numel() * t.element_size() for t in stored.values()) == checkpoint.tensor_bytes(cfg)
+    assert size <= checkpoint.checkpoint_bytes(cfg) == checkpoint.check_checkpoint_size(cfg, max_bytes=size + 4096)
+
+    with pytest.raises(checkpoint.CheckpointTooLarge, match="over the"):
+        checkpoint.check_checkpoint_size(cfg, max_bytes=size - 1)
+    before = [p.detach().clone() for p in build.trainable_parameters(draft)]
+    too_small = train.DistillConfig(max_steps=5, warmup_steps=1, batch_tokens=40, max_checkpoint_bytes=size - 1)
+    with pytest.raises(checkpoint.CheckpointTooLarge):
+        train.train_draft(draft, tiny_data, too_small)
+    assert all(torch.equal(a, b) for a, b in zip(before, build.trainable_parameters(draft)))  # no step taken
+    with pytest.raises(ValueError, match="max_checkpoint_bytes"):
+        train.DistillConfig(max_checkpoint_bytes=0)
+
+    with pytest.raises(checkpoint.CheckpointTooLarge, match="kept in") as refused:
+        checkpoint.save_draft(draft, {"model_type": "llama"}, tmp_path / "small", max_bytes=size - 1)
+    assert refused.value.kept_at == tmp_path / "small.oversize"
+    assert not (tmp_path / "small" / "model.safetensors").exists()
+    kept = load_file(str(refused.value.kept_at / "model.safetensors"))
+    assert all(torch.equal(kept[name], stored[name]) for name in stored)
+
+
 def test_measure_acceptance_identical_draft_accepts_everything(tiny_target):
     """A 'draft' that is the target itself: greedy acceptance 1, T=1 acceptance 1 (up to rounding)."""
     model = tiny_target.model
     prompts = [[5, 6, 7], [9, 10, 11, 12]]
-    greedy = distill.measure_acceptance(model, model, prompts, 0.0, max_new_tokens=6, batch_size=2)
-    sampled = distill.measure_acceptance(model, model, prompts, 1.0, max_new_tokens=6, batch_size=2)
+    greedy = acceptance.measure_acceptance(model, model, prompts, 0.0, max_new_tokens=6, batch_size=2)
+    sampled = acceptance.measure_acceptance(model, model, prompts, 1.0, max_new_tokens=6, batch_size=2)
     assert greedy.accept_rate == 1.0 and greedy.positions > 0
     assert sampled.accept_rate == pytest.approx(1.0, abs=1e-5)
 
@@ -117,11 +162,14 @@ def test_committed_default_draft():
     path = Path(resolve_draft("default", "smollm2-135m-instruct"))
     assert path == DEFAULT_DRAFT
     assert (path / "model.safetensors").stat().st_size <= 25_000_000
+    from rollout_ssd.models.config import model_config_from_hf
     assert (path / "PROVENANCE.md").is_file()
     cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
     assert cfg.model_type == "llama" and cfg.num_hidden_layers == 2
     assert cfg.shares_target_embedding and not cfg.tie_word_embeddings
     assert cfg.head_vocab_size == 8192
+    # the size check made before training bounds the committed file from above
+    assert checkpoint.check_checkpoint_size(model_config_from_hf(cfg)) >= (path / "model.safetensors").stat().st_size
     from safetensors import safe_open
 
     with safe_open(str(path / "model.safetensors"), "pt") as f:
@@ -142,7 +190,7 @@ def test_data_cache_round_trips_without_unpickling(tmp_path):
     reads it back to the same samples; a file of another format is refused."""
     import torch
 
-    from rollout_ssd.distill import TeacherSample, load_samples, save_samples
+    from rollout_ssd.draft.teacher import TeacherSample, load_samples, save_samples
 
     samples = [TeacherSample([1, 2, 3, 4], 2, torch.tensor([[3, 5], [4, 6]], dtype=torch.int32),
                              torch.tensor([[-0.1, -2.0], [-0.3, -1.5]], dtype=torch.float16)),

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig
-from rollout_ssd.draft_follow import DraftFollower, FollowConfig
-from rollout_ssd.drift import kl_target_draft
+from rollout_ssd.draft.drift import kl_target_draft
+from rollout_ssd.draft.follow import DraftFollower, FollowConfig
 from rollout_ssd.models.loader import load_pretrained
 from rollout_ssd.ssd.draft_server import DraftServer, weights_digest
 from rollout_ssd.ssd.messages import UpdateDraftWeights

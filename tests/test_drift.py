@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig
-from rollout_ssd.distill import make_draft
-from rollout_ssd.drift import DriftLog, kl_target_draft, token_mult_prob_error
+from rollout_ssd.draft.build import make_draft
+from rollout_ssd.draft.drift import DriftLog, kl_target_draft, token_mult_prob_error
 from rollout_ssd.models.loader import load_pretrained
 from rollout_ssd.weight_sync import TransferStats
 from tests.test_ssd_helpers import tiny_pair

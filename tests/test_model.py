@@ -148,10 +148,10 @@ def test_rollback_then_append_equals_fresh_run(tiny):
 
 
 def test_gemm_rows_pad_to_fast_widths_and_drop_the_padding():
-    """decoder.linear and the LM head run an M-row GEMM at gemm_rows(M) rows (zero rows added: MKL is up to
+    """cpu_backend.linear and the LM head run an M-row GEMM at gemm_rows(M) rows (zero rows added: MKL is up to
     1.9x slower at widths off a multiple of 4 / 8, bench/RESULTS.md). The padded rows must never reach the
     output: every real row equals F.linear's, and the shapes are the unpadded ones."""
-    from rollout_ssd.models.decoder import WeightCopies, gemm_rows, linear
+    from rollout_ssd.models.cpu_backend import WeightCopies, gemm_rows, linear
 
     for m in range(1, 200):
         p = gemm_rows(m)
@@ -191,8 +191,8 @@ def test_head_logits_pad_rows_and_drop_the_padding(tiny):
 
 
 def test_multi_row_forwards_follow_in_place_weight_writes(tiny, tmp_path, request):
-    """Forwards over 2+ rows run on row-major copies of the frozen float32 layer weights (decoder.linear,
-    decoder.WeightCopies). After the weights are rewritten in place (as weight sync does), or a weight
+    """Forwards over 2+ rows run on row-major copies of the frozen float32 layer weights (cpu_backend.linear,
+    cpu_backend.WeightCopies). After the weights are rewritten in place (as weight sync does), or a weight
     is replaced by a new tensor, both the 1-row and the multi-row forward must compute with the new
     values: the copies may never go stale."""
     hf, loaded = tiny
@@ -317,3 +317,16 @@ def test_default_bf16_logits_within_bf16_rounding(default_model_f32, hf_default)
         assert torch.equal(mine.argmax(-1)[clear], ref.argmax(-1)[clear]), f"row {b}"
     assert ours_err <= 2 * hf_err, (ours_err, hf_err)
     assert cross <= 1.5, cross
+
+
+def test_dtype_auto_is_the_cpu_backends_pick():
+    """dtype "auto" is decided once, by the CPU backend: bfloat16 exactly where bf16 matmuls run natively
+    (CUDA, or oneDNN's bf16 kernels on this CPU), float32 elsewhere, with a line saying which and why."""
+    from rollout_ssd.models import cpu_backend
+    from rollout_ssd.models.loader import parse_dtype
+
+    assert cpu_backend.cpu_kind() in ("amx", "avx512_bf16", "avx512", "avx2", "default")
+    expected = torch.bfloat16 if cpu_backend.native_bf16() else torch.float32
+    assert parse_dtype("auto") == cpu_backend.auto_dtype() == expected
+    line = cpu_backend.describe_auto_dtype()
+    assert line.startswith("bfloat16" if expected == torch.bfloat16 else "float32") and "\n" not in line

@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from rollout_ssd.draft_follow import FollowConfig
+from rollout_ssd.draft.follow import FollowConfig
 from rollout_ssd.rl.config import load_config
 from rollout_ssd.rl.learner import LearnerConfig
 from rollout_ssd.rl.recipe import main as recipe_main

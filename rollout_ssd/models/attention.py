@@ -1,9 +1,13 @@
 """Attention backends behind one interface.
 
 A backend receives the batch's queries for the new tokens, the full (already written) keys/values of
-the batch's slots up to the longest visible length, and a boolean visibility mask. The CPU path is
-PyTorch SDPA with the mask; flash-attn is used on CUDA when it is installed and the mask is the plain
-causal-over-cache pattern (tree masks go to SDPA or the Triton tree kernel in `kernels/`).
+the batch's slots up to the longest visible length, and a boolean visibility mask. There is one
+backend today: PyTorch SDPA with the mask, on every device (on CUDA, SDPA itself dispatches to its
+fused kernels). Tree masks (SSD's branch decoding, ssd/tree.py) go through it as well.
+
+kernels/ holds a Triton tree-attention kernel for GPUs (with its torch reference); it is not wired in:
+nothing in rollout_ssd imports it, and the CPU path never will (Triton runs on CPU only under its
+interpreter, for tests). flash-attn is not used either.
 """
 
 from __future__ import annotations
@@ -30,5 +34,5 @@ class SDPABackend(AttentionBackend):
 
 
 def default_backend(device: torch.device) -> AttentionBackend:
-    """SDPA everywhere; on CUDA PyTorch's SDPA itself dispatches to its flash/efficient kernels."""
+    """SDPA everywhere (the only backend); on CUDA PyTorch's SDPA dispatches to its fused kernels."""
     return SDPABackend()

@@ -5,9 +5,10 @@ cast back, cos/sin computed in float32 and cast to the model dtype, logits in th
 float32 logits agree to rounding and bfloat16 ones to bfloat16 rounding.
 Departures, for speed only: q/k/v and gate/up projections are fused into one matrix each; the HF
 parameter names stay addressable as views into the fused tensors (`hf_parameters`), which is what
-loaders and weight sync write into. The layers' float32 matrices are stored column-major (`weight`),
-the LM head picks its GEMM form by row count (`logits`), and RoPE is applied to the fused q|k block at
-once (bitwise HF's rotate_half form): on CPU these change float32 logits only at rounding level.
+loaders and weight sync write into, and RoPE is applied to the fused q|k block at once (bitwise HF's
+rotate_half form). How the matmuls run on the machine found (weight layouts, GEMM forms, row padding)
+is cpu_backend.py's choice, behind `layer_weight`, `linear` and `head_matmul`: those change float32
+logits only at rounding level.
 
 A forward takes new tokens per row (padded to T), their explicit positions, the KV slot each row
 writes to and, optionally, a boolean mask over cache positions: that covers ragged prefill, decode,
@@ -26,6 +27,7 @@ from torch import nn
 from rollout_ssd.kv_cache import KVCache
 from rollout_ssd.models.attention import AttentionBackend, SDPABackend
 from rollout_ssd.models.config import ModelConfig
+from rollout_ssd.models.cpu_backend import WeightCopies, head_matmul, layer_weight, linear
 
 
 @dataclass
@@ -69,95 +71,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-def weight(rows: int, cols: int, dtype: torch.dtype) -> nn.Parameter:
-    """A frozen [rows, cols] layer weight matrix (zeros). float32 ones are stored column-major (their
-    transpose is contiguous): F.linear(x, w) is then a plain x @ w.T GEMM over a row-major operand,
-    which at batch 1 streams the weights at the memory's read bandwidth, while MKL's GEMV over the
-    row-major layout reached ~70% of it, and is as fast or faster at 2..32 rows (AVX2 EPYC, MKL 2024.2:
-    bench/RESULTS.md). Shapes, names and values are unchanged; only strides differ. Other dtypes keep
-    the row-major layout (not measured)."""
-    if dtype == torch.float32:
-        return nn.Parameter(torch.zeros(cols, rows, dtype=dtype).t(), requires_grad=False)
-    return nn.Parameter(torch.zeros(rows, cols, dtype=dtype), requires_grad=False)
-
-
-class WeightCopies:
-    """Copies of frozen weights in another memory layout, by name: `get(name, w, make)` returns
-    make(w), made on first use and remade whenever `w` is replaced, moved, or written in place (every
-    in-place op on it or on a view of it, as loaders, update_weights and weight sync do, bumps the
-    shared version counter; only writes through `.data` would not, and nothing here makes them). The
-    entry holds `w` itself, so a replaced weight's storage cannot be reused at the same address while
-    its copy is cached. Each copy costs its weight's size in memory.
-
-    Used for the LM head's column-major copy (one-row logits) and the layers' row-major copies
-    (`linear`, 2+ rows)."""
-
-    def __init__(self):
-        self._copies: dict[str, tuple[torch.Tensor, torch.Tensor, tuple[int, int]]] = {}
-
-    def get(self, name: str, w: torch.Tensor, make) -> torch.Tensor:
-        hit = self._copies.get(name)
-        if hit is None or hit[1] is not w or hit[2] != (w.data_ptr(), w._version):
-            with torch.inference_mode(False), torch.no_grad():
-                hit = (make(w), w, (w.data_ptr(), w._version))
-            self._copies[name] = hit
-        return hit[0]
-
-    def __len__(self) -> int:
-        return len(self._copies)
-
-
-# MKL's W @ x.T (N = the row count M) runs a slow remainder path when M is off a multiple of 4 or 8:
-# 30 layers' GEMMs at 15 rows cost 1.7x those at 16 (1 thread; 1.6x at 2 threads), 31 rows 1.5x 32
-# (bench/RESULTS.md, "GEMM widths"). `linear` and the LM head pad x with zero rows to `gemm_rows(M)`:
-# up to 16 the widths where padding won in that run, above it the next multiple of 8.
-_PAD_SMALL = {3: 4, 7: 8, 12: 16, 13: 16, 14: 16, 15: 16}
-# With one thread, x @ W.T over the column-major storage is as fast as W @ x.T from 12 rows on and has
-# no remainder penalty (same run), so 12+ rows use it there.
-ONE_THREAD_COLUMN_MAJOR_ROWS = 12
-
-
-def gemm_rows(m: int) -> int:
-    """The row count `linear` and the LM head run an m-row W @ x.T at (m, or up to 7 zero rows more)."""
-    if m <= 16:
-        return _PAD_SMALL.get(m, m)
-    return -(-m // 8) * 8
-
-
-def padded_mm_t(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """(w @ x.T).T for x [M, K] (a non-contiguous view), computed over gemm_rows(M) rows (the zero rows'
-    outputs dropped)."""
-    m = x.shape[0]
-    padded = gemm_rows(m)
-    if padded == m:
-        return torch.mm(w, x.t()).t()
-    return torch.mm(w, F.pad(x, (0, 0, 0, padded - m)).t())[:, :m].t()
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,
-           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear(x, w, bias); for 2+ rows of a frozen float32 CPU weight, the fastest GEMM form measured.
-
-    The layers store float32 matrices column-major, the fastest form for one row (a decode step at
-    batch 1). For 2..256 rows (verification of K+1 tokens, batched decode, prefill) MKL is 1.5-2.7x
-    faster computing W @ x.T over a row-major W (2 threads, AVX2 EPYC, MKL 2024.2: at 2..9 rows the 30
-    layers' GEMMs cost about what one row costs, memory-bound; bench/RESULTS.md), so frozen weights
-    keep a row-major copy in `copies` (one more copy of the layer matrices in memory), and x is padded
-    to `gemm_rows`. With one thread, 12+ rows use x @ W.T over the column-major storage instead (as
-    fast, no remainder penalty). Weights that require grad (training) use F.linear. The forms differ
-    only in float32 rounding."""
-    m = x.numel() // x.shape[-1]
-    if m < 2 or w.requires_grad or w.dtype != torch.float32 or not w.is_cpu:
-        return F.linear(x, w, bias)
-    if m >= ONE_THREAD_COLUMN_MAJOR_ROWS and w.t().is_contiguous() and torch.get_num_threads() == 1:
-        return F.linear(x, w, bias)
-    rows = w if w.is_contiguous() else copies.get(name, w, torch.Tensor.contiguous)
-    out = padded_mm_t(rows, x.reshape(m, x.shape[-1]))
-    if bias is not None:
-        out = out + bias
-    return out.contiguous().view(*x.shape[:-1], w.shape[0])
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
@@ -166,13 +79,13 @@ class DecoderLayer(nn.Module):
         p = lambda *shape: nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)  # noqa: E731
         self.input_norm = p(h)
         self.post_attn_norm = p(h)
-        self.wqkv = weight(cfg.qkv_size, h, dtype)
+        self.wqkv = layer_weight(cfg.qkv_size, h, dtype)
         self.bqkv = p(cfg.qkv_size) if cfg.attention_bias else None
-        self.wo = weight(h, cfg.num_heads * d, dtype)
+        self.wo = layer_weight(h, cfg.num_heads * d, dtype)
         self.q_norm = p(d) if cfg.qk_norm else None
         self.k_norm = p(d) if cfg.qk_norm else None
-        self.w_gate_up = weight(2 * cfg.intermediate_size, h, dtype)
-        self.w_down = weight(h, cfg.intermediate_size, dtype)
+        self.w_gate_up = layer_weight(2 * cfg.intermediate_size, h, dtype)
+        self.w_down = layer_weight(h, cfg.intermediate_size, dtype)
         self.row_major = WeightCopies()
 
     def hf_parameters(self, prefix: str) -> dict[str, torch.Tensor]:
@@ -226,8 +139,8 @@ class Decoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
-        # row-major, unlike the layers' matrices: row lookups stay contiguous, and `logits` picks the
-        # fastest GEMM form per row count (a column-major copy for one row)
+        # row-major, unlike the layers' matrices: row lookups stay contiguous, and the LM head's GEMM
+        # form per row count is the CPU backend's (`head_matmul`)
         self.embed = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.zeros(cfg.hidden_size, dtype=dtype), requires_grad=False)
@@ -241,7 +154,7 @@ class Decoder(nn.Module):
         self.rope_scaling = rope_scaling
         self.backend = backend or SDPABackend()
         self.scale = cfg.head_dim ** -0.5
-        self.copies = WeightCopies()  # the head's column-major copy
+        self.copies = WeightCopies()  # the head's column-major copy (cpu_backend.head_matmul)
 
     def hf_parameters(self) -> dict[str, torch.Tensor]:
         """HF parameter name -> tensor (a view into our fused storage; write with copy_)."""
@@ -268,29 +181,12 @@ class Decoder(nn.Module):
         half = sin.shape[-1] // 2
         return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
-    def column_major_head(self) -> torch.Tensor:
-        """The LM head's transpose [H, V], contiguous (a WeightCopies copy: remade when the head is
-        replaced, moved, or written in place)."""
-        return self.copies.get("lm_head_t", self.lm_head, lambda head: head.t().contiguous())
-
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] (after the final norm) -> float32 logits [..., head rows]: one per row of the
-        LM head, i.e. over `head_token_ids` for a restricted head, else over the vocabulary.
-
-        float32 on CPU, the GEMM form depends on the row count M (MKL, AVX2 EPYC, bench/RESULTS.md):
-        M = 1 streams a column-major copy of the head (1.5x faster than F.linear's GEMV, at the read
-        bandwidth); 2 <= M <= 64 computes head @ rows.T (1.3-2.5x faster than rows @ head.T); more rows
-        use F.linear; M is padded with zero rows to `gemm_rows(M)`. The forms differ only in float32
-        rounding."""
+        LM head, i.e. over `head_token_ids` for a restricted head, else over the vocabulary. The GEMM
+        form is the CPU backend's choice for the row count (`cpu_backend.head_matmul`)."""
         rows = hidden.reshape(-1, hidden.shape[-1])  # [M, H]
-        m = rows.shape[0]
-        cpu_f32 = self.lm_head.dtype == torch.float32 and self.lm_head.is_cpu and not rows.requires_grad
-        if cpu_f32 and m == 1:
-            head = rows @ self.column_major_head()
-        elif cpu_f32 and m <= 64:
-            head = padded_mm_t(self.lm_head, rows).contiguous()
-        else:
-            head = F.linear(rows, self.lm_head)
+        head = head_matmul(rows, self.lm_head, self.copies)
         return head.float().reshape(*hidden.shape[:-1], head.shape[-1])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

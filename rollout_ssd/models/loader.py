@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from rollout_ssd.models.config import model_config_from_hf, rope_inv_freq
+from rollout_ssd.models.cpu_backend import auto_dtype
 from rollout_ssd.models.decoder import Decoder
 from rollout_ssd.models.registry import resolve_builtin
 
@@ -39,14 +40,12 @@ class LoadedModel:
 
 
 def parse_dtype(dtype) -> torch.dtype:
-    """"auto" is bfloat16 where the CPU has native bf16 matmuls (avx512_bf16/AMX) or on CUDA, else
-    float32: without them PyTorch emulates bf16, and prefill runs 3.5-6x and batch-8 decode 1.5-2.4x
-    slower than float32 (AVX2-only CPU, bench/RESULTS.md "bfloat16 and dtype auto")."""
+    """A torch dtype from its name; "auto" is the CPU backend's pick for this machine
+    (`cpu_backend.auto_dtype`: bfloat16 where bf16 matmuls run natively, else float32)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        native_bf16 = torch.cuda.is_available() or torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        return torch.bfloat16 if native_bf16 else torch.float32
+        return auto_dtype()
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported (supported: auto, {sorted(DTYPES)})")
     return DTYPES[dtype]

@@ -18,8 +18,8 @@ from typing import Optional, Sequence
 import torch
 
 from rollout_ssd import RolloutEngine, SamplingParams
-from rollout_ssd.draft_follow import DraftFollower
-from rollout_ssd.drift import kl_target_draft
+from rollout_ssd.draft.drift import kl_target_draft
+from rollout_ssd.draft.follow import DraftFollower
 from rollout_ssd.models.loader import load_pretrained
 from rollout_ssd.params import Rollout
 from rollout_ssd.rl.config import RLConfig

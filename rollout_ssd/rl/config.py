@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rollout_ssd.config import EngineConfig, SpecConfig, require_positive_ints
-from rollout_ssd.draft_follow import FollowConfig
+from rollout_ssd.draft.follow import FollowConfig
 from rollout_ssd.params import SamplingParams
 from rollout_ssd.rl.learner import LearnerConfig
 from rollout_ssd.rl.optim import OptimConfig

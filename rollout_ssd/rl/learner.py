@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from rollout_ssd.config import require_positive_ints
-from rollout_ssd.drift import token_mult_prob_error
+from rollout_ssd.draft.drift import token_mult_prob_error
 from rollout_ssd.models.decoder import Decoder
 from rollout_ssd.rl import losses
 from rollout_ssd.rl.optim import OptimConfig, make_trainer

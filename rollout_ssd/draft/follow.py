@@ -3,11 +3,11 @@
 RL moves the target every step; a frozen draft drifts away from it and acceptance and the cache hit
 rate fall. In "follow" mode, every `every_n_steps` policy steps the learner takes the step's rollouts
 (prompt + completion token ids) and the CURRENT policy as teacher, and runs a few AdamW steps of forward
-KL(p_policy || q_draft) at the positions the rollouts visited (rollout_ssd.distill: `teacher_topk` for
-the teacher's top-k log-probs, `make_batch`, `distill_loss`). `named_tensors()` then gives the draft's
+KL(p_policy || q_draft) at the positions the rollouts visited (`teacher.teacher_topk` for the
+teacher's top-k log-probs, `loss.make_batch`, `loss.distill_loss`). `named_tensors()` then gives the draft's
 new weights, for a `weight_sync.LearnerSync` (delta or full) to the engine's draft. "frozen" does nothing.
 
-Departures from `distill.train_draft`, which fits a draft once from scratch: the AdamW state persists
+Departures from `train.train_draft`, which fits a draft once from scratch: the AdamW state persists
 across follow updates (each update is a few steps, so fresh moments would make every update a warm-up),
 the learning rate is constant (no wall-clock schedule), and a full-vocabulary draft is supported
 (`distill_loss` with the identity head index). The draft trains in float32; the sync casts to the
@@ -26,8 +26,10 @@ from typing import Any, Optional
 import torch
 
 from rollout_ssd.config import require_positive_ints
-from rollout_ssd.distill import TeacherSample, distill_loss, head_index, make_batch, teacher_topk, trainable_parameters
-from rollout_ssd.drift import as_pairs
+from rollout_ssd.draft.build import trainable_parameters
+from rollout_ssd.draft.drift import as_pairs
+from rollout_ssd.draft.loss import distill_loss, head_index, make_batch
+from rollout_ssd.draft.teacher import TeacherSample, teacher_topk
 from rollout_ssd.models.decoder import Decoder
 
 MODES = ("frozen", "follow")

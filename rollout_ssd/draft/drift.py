@@ -8,7 +8,7 @@ minimises and the one that bounds acceptance: 1 - sum_x min(p, q) = TV(p, q) <= 
 Visited positions are those a completion token was drawn at: for prompt x_1..x_n and completion
 y_1..y_m, the m distributions after x, x y_1, ..., x y_1..y_{m-1}. T defaults to 1 (RL samples at T = 1);
 a restricted-head draft (head_token_ids) has q = 0 outside its head, so p is restricted to the head and
-renormalised there (the definition `distill.distill_loss` minimises); the mass p puts outside the head
+renormalised there (the definition `loss.distill_loss` minimises); the mass p puts outside the head
 is what no draft update can recover and is not counted.
 
 `mismatch/token_mult_prob_error` = mean over tokens of exp(|logp_learner - logp_rollout|) (NeMo-RL's

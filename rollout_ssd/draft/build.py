@@ -1,0 +1,95 @@
+"""Building a draft from its target: the first L layers, a shared embedding, a restricted head.
+
+The draft is the target's first L layers and final norm, the target's embedding shared and frozen
+(not stored), and an LM head restricted to the N most frequent completion tokens, initialised from the
+target's output rows of those tokens. Verification stays exact with a restricted head: q is the
+distribution the draft sampled from, and it is 0 outside the head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from rollout_ssd.draft.teacher import TeacherSample
+from rollout_ssd.models.config import ModelConfig
+from rollout_ssd.models.decoder import Decoder
+
+
+def select_head_tokens(samples: Sequence[TeacherSample], size: int, always: Sequence[int] = ()) -> torch.Tensor:
+    """The `size` most frequent completion tokens (plus `always`, e.g. EOS), sorted ids [size]."""
+    counts = torch.zeros(max(max(s.token_ids) for s in samples) + 1, dtype=torch.long)
+    for s in samples:
+        counts += torch.bincount(torch.tensor(s.token_ids[s.prompt_len:]), minlength=len(counts))
+    for t in always:
+        if t < len(counts):
+            counts[t] = counts.max() + 1
+    order = counts.argsort(descending=True, stable=True)
+    return order[:size].sort().values
+
+
+def coverage(head_token_ids: torch.Tensor, samples: Sequence[TeacherSample]) -> float:
+    """Share of completion tokens the head can produce."""
+    head = set(head_token_ids.tolist())
+    toks = [t for s in samples for t in s.token_ids[s.prompt_len:]]
+    return sum(t in head for t in toks) / max(len(toks), 1)
+
+
+def draft_hf_config(target_hf_config, num_layers: int, head_size: int) -> dict:
+    """The draft's config.json: the target's (rope, norms, heads, ...) with fewer layers, a restricted
+    head and a shared embedding. Quantization entries of a GGUF source are dropped."""
+    cfg = target_hf_config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "transformers_version", "architectures", "dtype",
+                "torch_dtype"):
+        cfg.pop(key, None)
+    cfg.update(model_type="llama" if cfg.get("model_type") == "llama" else cfg["model_type"],
+               architectures=["LlamaForCausalLM"] if cfg.get("model_type") == "llama" else None,
+               num_hidden_layers=num_layers, head_vocab_size=int(head_size), shares_target_embedding=True,
+               tie_word_embeddings=False, dtype="bfloat16")
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+def draft_config(target_cfg: ModelConfig, num_layers: int, head_size: int) -> ModelConfig:
+    """The config of a draft `make_draft` builds: the target's with fewer layers, a `head_size`-token
+    head and the target's embedding shared (known before any data exists: checkpoint.check_checkpoint_size)."""
+    return replace(target_cfg, num_layers=num_layers, head_vocab_size=int(head_size), shares_target_embedding=True,
+                   tie_word_embeddings=False)
+
+
+def make_draft(target: Decoder, head_token_ids: torch.Tensor, num_layers: int = 2) -> Decoder:
+    """A float32 draft: target layers 0..num_layers-1 and final norm, the target's embedding shared
+    (frozen), LM head = the target's output rows of `head_token_ids`. Trainable parameters have
+    requires_grad=True (everything but the embedding)."""
+    cfg = draft_config(target.cfg, num_layers, len(head_token_ids))
+    draft = Decoder(cfg, target.inv_freq.clone(), target.rope_scaling, dtype=torch.float32)
+    src = target.hf_parameters()
+    state = {name: src[name] for name in draft.hf_parameters() if name in src and not name.startswith("lm_head")}
+    full_head = target.lm_head
+    state["lm_head.weight"] = full_head[head_token_ids]
+    state["lm_head.token_ids"] = head_token_ids
+    with torch.no_grad():
+        params = draft.hf_parameters()
+        draft.embed = (target.embed if target.embed.dtype == torch.float32 else
+                       nn.Parameter(target.embed.detach().float(), requires_grad=False))
+        for name, tensor in state.items():
+            if name != "model.embed_tokens.weight":
+                params[name].copy_(tensor)
+    for p in trainable_parameters(draft):
+        p.requires_grad_(True)
+    return draft
+
+
+def trainable_parameters(draft: Decoder) -> list[nn.Parameter]:
+    return [p for name, p in draft.named_parameters() if name not in ("embed", "head_token_ids")]
+
+
+def round_weights(draft: Decoder, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Round trainable weights to `dtype` in place (kept in float32): the draft then computes exactly
+    what the checkpoint saved in `dtype` computes after loading in float32."""
+    with torch.no_grad():
+        for p in trainable_parameters(draft):
+            p.copy_(p.to(dtype).float())
+

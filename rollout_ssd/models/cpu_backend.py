@@ -1,0 +1,177 @@
+"""The decoder's hardware-specific choices on CPU: weight layouts, GEMM forms, row padding, dtype "auto".
+
+The decoder (decoder.py) states the model; this module decides how its matmuls run on the machine
+found. Every choice here changes float32 results only at rounding level (the same products, summed in
+another order), never the model:
+- layer matrices: float32 ones are stored column-major (`layer_weight`), the fastest form for one row
+  (a decode step at batch 1); 2+ rows run W @ x.T over a cached row-major copy (`linear`,
+  `WeightCopies`), with the row count padded to a width MKL has no remainder penalty at (`gemm_rows`);
+- the LM head: its GEMM form by row count (`head_matmul`);
+- dtype "auto": bfloat16 where the CPU runs bf16 matmuls natively, else float32 (`auto_dtype`).
+
+The CPU kind is read once per process (`cpu_kind`). Measurements behind these choices are in
+bench/RESULTS.md ("GEMM widths", "bfloat16 and dtype auto"); bench/bench_gemm.py re-measures them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------ the CPU found
+@functools.cache
+def cpu_kind() -> str:
+    """"amx" | "avx512_bf16" | "avx512" | "avx2" | "default": the best matmul ISA this CPU has, from
+    /proc/cpuinfo's flags (bf16 units) and torch's own vector-capability probe (the rest)."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:  # not Linux: torch's probe alone
+        pass
+    if "amx_bf16" in flags:
+        return "amx"
+    if "avx512_bf16" in flags:
+        return "avx512_bf16"
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    if capability.startswith("avx512"):
+        return "avx512"
+    return "avx2" if capability == "avx2" else "default"
+
+
+def native_bf16() -> bool:
+    """Whether bfloat16 matmuls run natively here: a CUDA device, or oneDNN's bf16 kernels on this CPU."""
+    return torch.cuda.is_available() or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def auto_dtype() -> torch.dtype:
+    """What `dtype="auto"` loads: bfloat16 where bf16 matmuls run natively, else float32 (without them
+    PyTorch emulates bf16, and prefill and batched decode run several times slower than float32)."""
+    dtype = torch.bfloat16 if native_bf16() else torch.float32
+    log.info("dtype auto: %s", describe_auto_dtype())
+    return dtype
+
+
+def describe_auto_dtype() -> str:
+    """One line saying what dtype "auto" picks on this machine and why."""
+    where = "CUDA" if torch.cuda.is_available() else f"CPU {cpu_kind()}"
+    if native_bf16():
+        return f"bfloat16 ({where}: native bf16 matmuls)"
+    return f"float32 ({where}: no native bf16 matmuls, PyTorch would emulate them)"
+
+
+# ------------------------------------------------------------------------------ layouts and copies
+def layer_weight(rows: int, cols: int, dtype: torch.dtype) -> nn.Parameter:
+    """A frozen [rows, cols] layer weight matrix (zeros). float32 ones are stored column-major (their
+    transpose is contiguous): F.linear(x, w) is then a plain x @ w.T GEMM over a row-major operand,
+    which at batch 1 streams the weights at the memory's read bandwidth where MKL's GEMV over the
+    row-major layout does not, and is as fast or faster at 2..32 rows (AVX2 EPYC, MKL 2024.2). Shapes,
+    names and values are unchanged; only strides differ. Other dtypes keep the row-major layout (not
+    measured)."""
+    if dtype == torch.float32:
+        return nn.Parameter(torch.zeros(cols, rows, dtype=dtype).t(), requires_grad=False)
+    return nn.Parameter(torch.zeros(rows, cols, dtype=dtype), requires_grad=False)
+
+
+class WeightCopies:
+    """Copies of frozen weights in another memory layout, by name: `get(name, w, make)` returns
+    make(w), made on first use and remade whenever `w` is replaced, moved, or written in place (every
+    in-place op on it or on a view of it, as loaders, update_weights and weight sync do, bumps the
+    shared version counter; only writes through `.data` would not, and nothing here makes them). The
+    entry holds `w` itself, so a replaced weight's storage cannot be reused at the same address while
+    its copy is cached. Each copy costs its weight's size in memory.
+
+    Used for the LM head's column-major copy (one-row logits) and the layers' row-major copies
+    (`linear`, 2+ rows)."""
+
+    def __init__(self):
+        self._copies: dict[str, tuple[torch.Tensor, torch.Tensor, tuple[int, int]]] = {}
+
+    def get(self, name: str, w: torch.Tensor, make) -> torch.Tensor:
+        hit = self._copies.get(name)
+        if hit is None or hit[1] is not w or hit[2] != (w.data_ptr(), w._version):
+            with torch.inference_mode(False), torch.no_grad():
+                hit = (make(w), w, (w.data_ptr(), w._version))
+            self._copies[name] = hit
+        return hit[0]
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+
+# ------------------------------------------------------------------------------ GEMM forms
+# MKL's W @ x.T (N = the row count M) runs a slow remainder path when M is off a multiple of 4 or 8
+# (bench/RESULTS.md, "GEMM widths"). `linear` and the LM head pad x with zero rows to `gemm_rows(M)`:
+# up to 16 the widths where padding won in that run, above it the next multiple of 8.
+_PAD_SMALL = {3: 4, 7: 8, 12: 16, 13: 16, 14: 16, 15: 16}
+# With one thread, x @ W.T over the column-major storage is as fast as W @ x.T from 12 rows on and has
+# no remainder penalty (same run), so 12+ rows use it there.
+ONE_THREAD_COLUMN_MAJOR_ROWS = 12
+# The LM head computes head @ rows.T up to this many rows, F.linear above (same run).
+HEAD_MM_T_MAX_ROWS = 64
+
+
+def gemm_rows(m: int) -> int:
+    """The row count `linear` and the LM head run an m-row W @ x.T at (m, or up to 7 zero rows more)."""
+    if m <= 16:
+        return _PAD_SMALL.get(m, m)
+    return -(-m // 8) * 8
+
+
+def padded_mm_t(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """(w @ x.T).T for x [M, K] (a non-contiguous view), computed over gemm_rows(M) rows (the zero rows'
+    outputs dropped)."""
+    m = x.shape[0]
+    padded = gemm_rows(m)
+    if padded == m:
+        return torch.mm(w, x.t()).t()
+    return torch.mm(w, F.pad(x, (0, 0, 0, padded - m)).t())[:, :m].t()
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,
+           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, w, bias); for 2+ rows of a frozen float32 CPU weight, the fastest GEMM form measured.
+
+    The layers store float32 matrices column-major (`layer_weight`), the fastest form for one row. For
+    2..256 rows (verification of K+1 tokens, batched decode, prefill) MKL is faster computing W @ x.T
+    over a row-major W (2 threads, AVX2 EPYC, MKL 2024.2: at 2..9 rows the layers' GEMMs cost about
+    what one row costs, memory-bound), so frozen weights keep a row-major copy in `copies` (one more
+    copy of the layer matrices in memory), and x is padded to `gemm_rows`. With one thread, 12+ rows
+    use x @ W.T over the column-major storage instead (as fast, no remainder penalty). Weights that
+    require grad (training) use F.linear. The forms differ only in float32 rounding."""
+    m = x.numel() // x.shape[-1]
+    if m < 2 or w.requires_grad or w.dtype != torch.float32 or not w.is_cpu:
+        return F.linear(x, w, bias)
+    if m >= ONE_THREAD_COLUMN_MAJOR_ROWS and w.t().is_contiguous() and torch.get_num_threads() == 1:
+        return F.linear(x, w, bias)
+    rows = w if w.is_contiguous() else copies.get(name, w, torch.Tensor.contiguous)
+    out = padded_mm_t(rows, x.reshape(m, x.shape[-1]))
+    if bias is not None:
+        out = out + bias
+    return out.contiguous().view(*x.shape[:-1], w.shape[0])
+
+
+def head_matmul(rows: torch.Tensor, head: torch.Tensor, copies: WeightCopies) -> torch.Tensor:
+    """rows [M, H] @ head.T -> [M, head rows] (the LM head, stored row-major), in the GEMM form that
+    is fastest for M on a float32 CPU head (MKL, AVX2 EPYC): M = 1 streams a column-major copy of the
+    head (faster than F.linear's GEMV, at the read bandwidth); 2 <= M <= HEAD_MM_T_MAX_ROWS computes
+    head @ rows.T (faster than rows @ head.T), padded to `gemm_rows(M)`; more rows, other dtypes,
+    devices and training use F.linear. The forms differ only in float32 rounding."""
+    m = rows.shape[0]
+    cpu_f32 = head.dtype == torch.float32 and head.is_cpu and not rows.requires_grad
+    if cpu_f32 and m == 1:
+        return rows @ copies.get("lm_head_t", head, lambda h: h.t().contiguous())
+    if cpu_f32 and m <= HEAD_MM_T_MAX_ROWS:
+        return padded_mm_t(head, rows).contiguous()
+    return F.linear(rows, head)
