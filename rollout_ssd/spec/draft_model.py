@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from rollout_ssd.decode import row_params
 from rollout_ssd.models.decoder import Decoder
 from rollout_ssd.runner import ModelRunner
-from rollout_ssd.sampling import draw_tokens, sequence_generator, target_probs
+from rollout_ssd.sampling import draw_tokens, row_params, sequence_generator, target_probs
 from rollout_ssd.sequence import Sequence
+from rollout_ssd.spec.draft_kv import kept_length
 from rollout_ssd.spec.speculator import Proposal, Speculator
 from rollout_ssd.spec.verify import DenseDraft, SparseDraft
 
@@ -142,12 +142,7 @@ class DraftModelSpeculator(Speculator):
             key = id(seq)
             if key not in self.slot:
                 continue
-            base, drafted = self.cached[key], self.drafted[key]
-            tail = seq.all_token_ids[base:]
-            agree = 0
-            while agree < min(len(drafted), len(tail)) and drafted[agree] == tail[agree]:
-                agree += 1
-            keep = min(base + agree, seq.num_tokens - 1)
+            keep = kept_length(self.cached[key], self.drafted[key], seq.all_token_ids)
             self.runner.rollback(self.slot[key], keep)
             self.cached[key] = keep
             self.drafted[key] = []

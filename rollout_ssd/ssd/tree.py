@@ -39,6 +39,7 @@ import torch
 from rollout_ssd.models.decoder import Decoder
 from rollout_ssd.runner import ModelRunner
 from rollout_ssd.sampling import sample_from_probs, target_probs
+from rollout_ssd.spec.draft_kv import kept_length
 from rollout_ssd.ssd.cache import CacheEntries
 from rollout_ssd.ssd.rng import draft_uniforms
 from rollout_ssd.ssd.saguaro import adaptive_c, entropy, saguaro_probs, top_f_mask
@@ -95,11 +96,7 @@ class TreeDrafter:
     def sync(self, st: DraftSeq) -> None:
         """Cut the KV back to the longest prefix that is still committed, keeping the last committed
         token out (every forward re-feeds it, so its logits come out)."""
-        tail = st.committed[st.base:]
-        agree = 0
-        while agree < min(len(st.spec), len(tail)) and st.spec[agree] == tail[agree]:
-            agree += 1
-        st.base = min(st.base + agree, len(st.committed) - 1)
+        st.base = kept_length(st.base, st.spec, st.committed)
         st.spec = []
         self.runner.rollback(st.slot, st.base)
 
@@ -125,7 +122,7 @@ class TreeDrafter:
             tokens[sampled] = sample_from_probs(qs, draft_uniforms(keys, index[sampled]))
         return tokens, q
 
-    # ------------------------------------------------------------------ on demand (SD / neural backup)
+    # ------------------------------------------------------------------ on demand (SD / the draft as backup)
     @torch.inference_mode()
     def draft(self, seqs: Sequence[DraftSeq], lengths: Sequence[int], fanout: Sequence[int]
               ) -> list[tuple[list[int], torch.Tensor]]:
