@@ -108,7 +108,7 @@ class RolloutEngine:
         if draft is None:
             raise ValueError("SpecConfig.method='ssd' needs a draft model (draft=...)")
         self._check_draft(draft)
-        from rollout_ssd.ssd.decode import SSDDecode
+        from rollout_ssd.ssd.round import SSDDecode
 
         ssd = spec.ssd_config()
         backup = None
