@@ -192,6 +192,45 @@ def _check_inputs(target_logits, draft_tokens, num_draft, draft, temperature, to
     return ks
 
 
+def _judge_sampled_rows(ks, greedy, p_draft, q_draft, generators, num_accepted) -> tuple[list[int], list[float]]:
+    """Step 1 for the sampled rows, in row order: one uniform per judged draft token, stopping at the first
+    rejection; writes num_accepted[b]. Then one more uniform per row, for its bonus. Returns the sampled
+    rows and those bonus uniforms."""
+    sampled, uniforms = [], []
+    for b in range(len(ks)):
+        if greedy[b]:
+            continue
+        a, gen = 0, generators[b]
+        # Accept s_i with prob min(1, p/q)  <=>  u < p/q  <=>  u·q < p  (no division; q(s_i) > 0 as s_i ~ q).
+        while a < ks[b] and draw_uniform(gen) * q_draft[b][a] < p_draft[b][a]:
+            a += 1
+        num_accepted[b] = a
+        sampled.append(b)
+        uniforms.append(draw_uniform(gen))
+    return sampled, uniforms
+
+
+def _draw_bonus(p: torch.Tensor, draft: DraftDistribution, tokens_in: torch.Tensor, rows: torch.Tensor,
+                accepted: torch.Tensor, rejected: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Step 2 for the sampled `rows` [N]: t* from the residual r_j at a rejection, from p_{K+1} when all
+    were accepted, by inverse CDF with the uniforms u [N]. p: [B, K+1, V]. Returns t* [N]."""
+    vocab = p.shape[-1]
+    at = accepted[rows]  # [N]: 0-based index of the rejected token, or of the bonus slot K if none
+    dists = p[rows, at]  # [N, V]: p_{K+1} where all were accepted
+    rej = rejected[rows]  # [N]
+    if bool(rej.any()):
+        r_rows, r_at = rows[rej], at[rej]
+        p_j = dists[rej]  # [R, V]
+        q_j = draft.dense(r_rows, r_at, tokens_in[r_rows, r_at], vocab).to(p.device)  # [R, V]
+        residual = torch.clamp(p_j - q_j, min=0.0)  # r_j ∝ max(p_j - q_j, 0)
+        # An all-zero residual means p_j <= q_j everywhere; as both sum to 1, p_j == q_j up to rounding,
+        # and then P(reject at j) = Σ max(q_j - p_j, 0) = 0 in exact arithmetic: we only get here on a
+        # measure-zero event (a rounding-sized excess of q), where any choice keeps the law. We draw
+        # from p_j, the law this position would have had, which never emits a zero-mass token.
+        dists[rej] = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, p_j)
+    return sample_from_probs(dists, u)
+
+
 def verify(
     target_logits: torch.Tensor,
     draft_tokens: torch.Tensor,
@@ -230,38 +269,15 @@ def verify(
 
     # Sampled rows, in order: one uniform per judged draft token, then one for the bonus.
     num_accepted = list(greedy_accepted)  # greedy rows draw nothing: their generators stay untouched
-    sampled, uniforms = [], []
-    for b in range(batch):
-        if greedy[b]:
-            continue
-        a, gen = 0, generators[b]
-        # Accept s_i with prob min(1, p/q)  <=>  u < p/q  <=>  u·q < p  (no division; q(s_i) > 0 as s_i ~ q).
-        while a < ks[b] and draw_uniform(gen) * q_draft[b][a] < p_draft[b][a]:
-            a += 1
-        num_accepted[b] = a
-        sampled.append(b)
-        uniforms.append(draw_uniform(gen))
+    sampled, uniforms = _judge_sampled_rows(ks, greedy, p_draft, q_draft, generators, num_accepted)
 
     accepted = torch.tensor(num_accepted, dtype=torch.int64, device=device)  # [B]
     rejected = accepted < num_draft.to(device)  # [B]
     bonus = argmax.gather(1, accepted[:, None]).squeeze(1)  # [B]; the greedy rows' t*
     if sampled:
         rows = torch.tensor(sampled, dtype=torch.int64, device=device)  # [N]
-        at = accepted[rows]  # [N]: 0-based index of the rejected token, or of the bonus slot K if none
-        dists = p[rows, at]  # [N, V]: p_{K+1} where all were accepted
-        rej = rejected[rows]  # [N]
-        if bool(rej.any()):
-            r_rows, r_at = rows[rej], at[rej]
-            p_j = dists[rej]  # [R, V]
-            q_j = draft.dense(r_rows, r_at, tokens_in[r_rows, r_at], vocab).to(device)  # [R, V]
-            residual = torch.clamp(p_j - q_j, min=0.0)  # r_j ∝ max(p_j - q_j, 0)
-            # An all-zero residual means p_j <= q_j everywhere; as both sum to 1, p_j == q_j up to rounding,
-            # and then P(reject at j) = Σ max(q_j - p_j, 0) = 0 in exact arithmetic: we only get here on a
-            # measure-zero event (a rounding-sized excess of q), where any choice keeps the law. We draw
-            # from p_j, the law this position would have had, which never emits a zero-mass token.
-            dists[rej] = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, p_j)
-        u = torch.tensor(uniforms, dtype=torch.float64, device=device)
-        bonus[rows] = sample_from_probs(dists, u)
+        u = torch.tensor(uniforms, dtype=torch.float64, device=device)  # [N]
+        bonus[rows] = _draw_bonus(p, draft, tokens_in, rows, accepted, rejected, u)
 
     # tokens = s_1..s_a, t*, -1 padding
     col = torch.arange(k1, device=device)[None, :]  # [1, K+1]
