@@ -1,4 +1,4 @@
-"""A neural draft model as a speculator: any small model sharing the target's tokenizer.
+"""A draft model as a speculator: any small model sharing the target's tokenizer.
 
 The draft runs on our own runtime with its own KV cache. For each sequence it remembers how many of
 the sequence's tokens its cache holds (`cached`); a round feeds every token it has not seen yet
@@ -117,10 +117,10 @@ class DraftModelSpeculator(Speculator):
                 self.cached[id(s)] = s.num_tokens
                 self.drafted[id(s)] = chains[r][: k_sub[r] - 1]  # written into the draft cache
         if head_ids is None:
-            draft = DenseDraft(q_all)
+            q = DenseDraft(q_all)
         else:
-            draft = SparseDraft(head_ids.expand(len(seqs), q_all.shape[1], width), q_all)
-        return Proposal(tokens=tokens, draft=draft)
+            q = SparseDraft(head_ids.expand(len(seqs), q_all.shape[1], width), q_all)
+        return Proposal(tokens=tokens, q=q)
 
     def _stop_unsure(self, k_sub: list[int], rows: list[int], step: int, logits: torch.Tensor, q: torch.Tensor,
                      drawn: torch.Tensor, greedy: torch.Tensor) -> None:

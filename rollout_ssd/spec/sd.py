@@ -42,7 +42,7 @@ class SDDecode(DecodeStrategy):
         ks = [max(0, min(self.k, s.budget - 1)) for s in running]
         proposal = self.speculator.propose(running, ks)
         t1 = time.perf_counter()
-        result = verify_round(self.runner, running, proposal.tokens, proposal.draft)
+        result = verify_round(self.runner, running, proposal.tokens, proposal.q)
         t2 = time.perf_counter()
         outcome = finish_round(self.runner, running, result)
         self.speculator.on_verified(running, outcome.accepted)

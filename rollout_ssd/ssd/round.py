@@ -105,7 +105,7 @@ class SSDDecode(DecodeStrategy):
             rnd.backup_seconds = time.perf_counter() - t0
             for j, i in enumerate(need_backup):
                 rnd.chains[i] = list(prop.tokens[j])[: ks[i]]
-                rnd.q[i] = _row_of(prop.draft, j)
+                rnd.q[i] = _row_of(prop.q, j)
                 rnd.paths[i] = self.backup.name if rnd.chains[i] else "none"
         return rnd
 
