@@ -33,7 +33,7 @@ import torch
 from rollout_ssd.metrics import EngineMetrics
 from rollout_ssd.models.decoder import Decoder
 from rollout_ssd.sequence import Sequence
-from rollout_ssd.spec.verify import DenseDraft, DraftDistribution, PointDraft
+from rollout_ssd.spec.verify import DenseDraft, DraftDistribution, PointDraft, VerifyResult
 from rollout_ssd.ssd.chooser import Plan
 from rollout_ssd.ssd.client import DraftClient, LocalDraftClient, WorkerFailure
 from rollout_ssd.ssd.config import SSDConfig
@@ -291,9 +291,10 @@ class DraftSide:
                      for s, c, k in zip(running, chains, ks))
         return self._send(BuildCache(rows, fanout))
 
-    def remember(self, running: list[Sequence], chains: list[list[int]], told: bool, accepted: list[int],
-                 bonus: list[int]) -> None:
+    def remember(self, running: list[Sequence], chains: list[list[int]], told: bool, result: VerifyResult) -> None:
         """Each sequence's verdict (k, t*), told to the draft side at the start of the next round."""
+        accepted = result.num_accepted.tolist()
+        bonus = result.tokens.gather(1, result.num_accepted[:, None]).squeeze(1).tolist()  # t* per row
         for seq, chain, k, t in zip(running, chains, accepted, bonus):
             tr = self.tracks[id(seq)]
             tr.chain, tr.told, tr.verdict = chain, told, (k, t)

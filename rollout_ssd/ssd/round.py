@@ -67,19 +67,23 @@ class SSDDecode(DecodeStrategy):
 
     # ------------------------------------------------------------------ one round
     def step(self, running: list[Sequence]) -> int:
+        """One round: its plan, THEORY.md §2's four steps (module docstring), then its counts."""
         t0 = time.perf_counter()
         fanout = self.planner.plan()
         plan = self.chooser.choose(len(running), fallback=self.draft.fallback)
         ks = [max(0, min(self.k, s.budget - 1)) for s in running]
-        rnd = self._propose(running, ks, plan, fanout)  # 1. this round's chains
+        # 1. the last verdicts out, this round's chains in (the cache, the draft on demand, a fast backup)
+        rnd = self._propose(running, ks, plan, fanout)
         calibration = self.chooser.calibrate(self.runner, running, rnd.cold) if plan is not Plan.AR else 0.0
-        told = rnd.reply is not None and self.draft.build(running, rnd.chains, ks, plan.is_ssd, fanout.fanout)  # 2.
+        # 2. the chains to the draft side, which builds the next cache from them (a worker: during step 3)
+        told = rnd.reply is not None and self.draft.build(running, rnd.chains, ks, plan.is_ssd, fanout.fanout)
         t2 = time.perf_counter()
-        result = self._verify(running, rnd, plan)  # 3.
+        # 3. each chain verified against its own q (an AR round: the AR engine's step)
+        result = self._verify(running, rnd, plan)
         t3 = time.perf_counter()
-        outcome = finish_round(self.runner, running, result)  # 4.
-        bonus = result.tokens.gather(1, result.num_accepted[:, None]).squeeze(1).tolist()
-        self.draft.remember(running, rnd.chains, told, outcome.accepted, bonus)
+        # 4. append, roll back; the verdicts go out in the next round's step 1
+        outcome = finish_round(self.runner, running, result)
+        self.draft.remember(running, rnd.chains, told, result)
         if self.backup is not None:
             self.backup.on_verified(running, outcome.accepted)
         t4 = time.perf_counter()
