@@ -32,6 +32,11 @@ def sample_rows(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], 
     return tokens.tolist(), logprobs.tolist()
 
 
+def chain_lengths(seqs: list[Sequence], k: int) -> list[int]:
+    """K_i per sequence: at most k, and K_i + 1 (the chain and the bonus) within what it may still emit."""
+    return [max(0, min(k, s.budget - 1)) for s in seqs]
+
+
 def ar_step(runner: ModelRunner, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
     """One AR decode step: a decode forward over each row's last token, then one token per row from the
     target law (with its logprob)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from rollout_ssd.decode import DecodeStrategy, finish_round, verify_round
+from rollout_ssd.decode import DecodeStrategy, chain_lengths, finish_round, verify_round
 from rollout_ssd.metrics import EngineMetrics
 from rollout_ssd.runner import ModelRunner
 from rollout_ssd.sequence import Sequence
@@ -39,7 +39,7 @@ class SDDecode(DecodeStrategy):
 
     def step(self, running: list[Sequence]) -> int:
         t0 = time.perf_counter()
-        ks = [max(0, min(self.k, s.budget - 1)) for s in running]
+        ks = chain_lengths(running, self.k)
         proposal = self.speculator.propose(running, ks)
         t1 = time.perf_counter()
         result = verify_round(self.runner, running, proposal.tokens, proposal.q)

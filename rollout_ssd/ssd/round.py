@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from rollout_ssd.decode import DecodeStrategy, RoundOutcome, ar_verdict, finish_round, verify_round
+from rollout_ssd.decode import DecodeStrategy, RoundOutcome, ar_verdict, chain_lengths, finish_round, verify_round
 from rollout_ssd.metrics import EngineMetrics
 from rollout_ssd.models.decoder import Decoder
 from rollout_ssd.runner import ModelRunner
@@ -71,7 +71,7 @@ class SSDDecode(DecodeStrategy):
         t0 = time.perf_counter()
         fanout = self.planner.plan()
         plan = self.chooser.choose(len(running), fallback=self.draft.fallback)
-        ks = [max(0, min(self.k, s.budget - 1)) for s in running]
+        ks = chain_lengths(running, self.k)
         # 1. the last verdicts out, this round's chains in (the cache, the draft on demand, a fast backup)
         rnd = self._propose(running, ks, plan, fanout)
         calibration = self.chooser.calibrate(self.runner, running, rnd.cold) if plan is not Plan.AR else 0.0
