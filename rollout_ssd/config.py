@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Optional, Union
 
 METHODS = ("ar", "sd", "ssd")
-SPECULATORS = ("draft", "suffix", "random")
+SPECULATORS = ("draft", "suffix", "random")  # what drafts: the draft model, suffix matching, random tokens
 
 
 def reject_unknown(cls, options: dict) -> None:
@@ -31,17 +31,18 @@ def require_positive_ints(config, names, label: Optional[str] = None) -> None:
 class SpecConfig:
     """How to speculate. method "ar" (none), "sd" (speculative decoding) or "ssd" (SSD).
 
-    k: draft tokens per round. speculator (SD): what proposes ("draft" = the neural draft model,
+    k: draft tokens per round. speculator (SD): what proposes ("draft" = the draft model,
     "suffix" = suffix/n-gram matching over the prompt, the sequence and its siblings, "random").
-    stop_prob (SD, neural draft): a sequence's chain ends before k tokens once the draft drew a token
+    stop_prob (SD, draft model): a sequence's chain ends before k tokens once the draft drew a token
     it gave probability below stop_prob (greedy: its T=1 softmax); 0 always drafts k. Lossless for
-    any value (the draft alone decides the length). On the default pair 0.3 changed the best K (3)
-    within noise and kept K=5 from losing (bench/RESULTS.md: 0.86x -> 1.13x AR greedy on held-out
-    templates), so a larger k costs little when the draft is unsure.
-    SSD knobs, by name (see `rollout_ssd.ssd.config.SSDConfig` for their meaning): fanout (None =
-    Theorem 12 from live estimates, or a manual F_0..F_k), budget, C (Saguaro, or "adaptive"),
-    backup ("neural" | "suffix" | "random"), strategy_rule (pick SSD/SD/suffix/AR per batch by
-    Theorem 17), worker (the draft in its own process).
+    any value (the draft alone decides the length). A larger k then costs little when the draft is
+    unsure (measured: bench/RESULTS.md).
+    SSD knobs (method "ssd"; meaning and validation: `rollout_ssd.ssd.config.SSDConfig`, whose
+    defaults are these): fanout (None = Theorem 12 from live estimates, or a manual F_0..F_k), budget,
+    max_budget, C (Saguaro, or "adaptive"), c_min, backup ("neural" = the draft model on demand,
+    "suffix", "random"), strategy_rule (pick SSD/SD/suffix/AR per batch by Theorem 17), hysteresis,
+    switch_after, decide_after, decide_margin, worker (the draft in its own process), worker_timeout,
+    startup_timeout, pin_cores, fallback ("sd" | "ar"), max_restarts.
     """
 
     method: str = "ar"
@@ -50,10 +51,21 @@ class SpecConfig:
     stop_prob: float = 0.3
     fanout: Optional[tuple[int, ...]] = None
     budget: Optional[int] = None
+    max_budget: int = 32
     C: Union[float, str] = 1.0
+    c_min: float = 0.3
     backup: str = "neural"
     strategy_rule: bool = True
+    hysteresis: float = 0.10
+    switch_after: int = 2
+    decide_after: int = 3
+    decide_margin: float = 0.3
     worker: bool = True
+    worker_timeout: float = 30.0
+    startup_timeout: float = 180.0
+    pin_cores: bool = True
+    fallback: str = "sd"
+    max_restarts: int = 1
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -69,11 +81,11 @@ class SpecConfig:
             self.ssd_config()  # validates the SSD knobs now, naming the field
 
     def ssd_config(self):
+        """The SSD knobs as an SSDConfig (every SSDConfig field is a SpecConfig field of the same name)."""
         from rollout_ssd.ssd.config import SSDConfig
 
         try:
-            return SSDConfig(k=self.k, fanout=self.fanout, budget=self.budget, C=self.C, backup=self.backup,
-                             strategy_rule=self.strategy_rule, worker=self.worker)
+            return SSDConfig(**{f.name: getattr(self, f.name) for f in fields(SSDConfig)})
         except ValueError as err:
             raise ValueError(str(err).replace("SSDConfig.", "SpecConfig.")) from None
 

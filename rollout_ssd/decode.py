@@ -1,5 +1,10 @@
 """Decode strategies: how running sequences advance by one round. AR here; SD/SSD add their own.
 
+Every round has the same target side, written once here: the target either takes one AR step
+(`ar_verdict`) or verifies one chain per sequence (`verify_round`), and its verdict goes through the same
+tail (`finish_round`): append the emitted tokens, roll the target KV back. AR, SD and SSD differ only in
+where the chains come from.
+
 Invariant every strategy keeps: for a running sequence, the target's KV cache holds every token
 except the last emitted one (which the next round feeds).
 """
@@ -7,21 +12,15 @@ except the last emitted one (which the next round feeds).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
 from rollout_ssd.metrics import EngineMetrics
 from rollout_ssd.runner import ModelRunner
-from rollout_ssd.sampling import draw_tokens, full_logprobs, target_probs
+from rollout_ssd.sampling import draw_tokens, full_logprobs, row_params, target_probs
 from rollout_ssd.sequence import Sequence
-
-
-def row_params(seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row (temperature [B], top_k [B], top_p [B]) tensors."""
-    temperature = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32)
-    top_k = torch.tensor([s.params.top_k for s in seqs], dtype=torch.long)
-    top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32)
-    return temperature, top_k, top_p
+from rollout_ssd.spec.verify import DraftDistribution, VerifyResult, verify
 
 
 def sample_rows(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:
@@ -33,11 +32,67 @@ def sample_rows(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], 
     return tokens.tolist(), logprobs.tolist()
 
 
+def chain_lengths(seqs: list[Sequence], k: int) -> list[int]:
+    """K_i per sequence: at most k, and K_i + 1 (the chain and the bonus) within what it may still emit."""
+    return [max(0, min(k, s.budget - 1)) for s in seqs]
+
+
 def ar_step(runner: ModelRunner, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
     """One AR decode step: a decode forward over each row's last token, then one token per row from the
-    target law (with its logprob). The AR engine's round, and the SSD engine's AR rounds."""
+    target law (with its logprob)."""
     logits = runner.decode([s.slot for s in seqs], [s.last_token for s in seqs])
     return sample_rows(seqs, logits)
+
+
+def ar_verdict(runner: ModelRunner, seqs: list[Sequence]) -> VerifyResult:
+    """An AR round (`ar_step`) as a verdict with nothing proposed. Not `verify` with empty chains: that
+    builds the target law for a K+1-token verify and judges nothing, and costs more per round."""
+    tokens, logprobs = ar_step(runner, seqs)
+    n = len(seqs)
+    return VerifyResult(tokens=torch.tensor(tokens, dtype=torch.int64)[:, None],  # [B, 1]
+                        num_emitted=torch.ones(n, dtype=torch.int64),
+                        num_accepted=torch.zeros(n, dtype=torch.int64),
+                        rejected=torch.zeros(n, dtype=torch.bool),
+                        logprobs=torch.tensor(logprobs, dtype=torch.float32)[:, None])  # [B, 1]
+
+
+def verify_round(runner: ModelRunner, seqs: list[Sequence], chains: list[list[int]],
+                 draft: DraftDistribution) -> VerifyResult:
+    """One target forward over [last token, chain] per sequence, then `verify` against the chains' q."""
+    feeds = [[s.last_token] + c for s, c in zip(seqs, chains)]
+    logits = runner.extend([s.slot for s in seqs], feeds)  # [B, Kmax+1, V]
+    k_max = max(len(c) for c in chains)
+    draft_tokens = torch.full((len(seqs), max(k_max, 1)), -1, dtype=torch.long)  # [B, Kmax]
+    for i, c in enumerate(chains):
+        draft_tokens[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+    num_draft = torch.tensor([len(c) for c in chains], dtype=torch.long)  # [B]
+    if k_max == 0:
+        draft_tokens = draft_tokens[:, :0]
+    temperature, top_k, top_p = row_params(seqs)
+    return verify(logits, draft_tokens, num_draft, draft, temperature, top_k, top_p, [s.generator for s in seqs])
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What a round's tail did: tokens emitted in all, and per row the draft tokens accepted and whether
+    one was rejected (for the speculator and the stats)."""
+
+    emitted: int
+    accepted: list[int]
+    rejected: list[bool]
+
+
+def finish_round(runner: ModelRunner, seqs: list[Sequence], result: VerifyResult) -> RoundOutcome:
+    """The tail of every round: each sequence appends its emitted tokens (stopping at its first stop token
+    or its length budget: what follows a stop inside an accepted run is dropped, as AR would never have
+    produced it), then the target KV is rolled back to the sequence minus its last token."""
+    emitted = 0
+    for i, seq in enumerate(seqs):
+        n = int(result.num_emitted[i])
+        emitted += seq.append(result.tokens[i, :n].tolist(), result.logprobs[i, :n].tolist())
+        if not seq.finished:
+            runner.rollback(seq.slot, seq.num_tokens - 1)
+    return RoundOutcome(emitted, result.num_accepted.tolist(), result.rejected.tolist())
 
 
 class DecodeStrategy(ABC):
@@ -67,7 +122,6 @@ class ARDecode(DecodeStrategy):
         self.stats = stats
 
     def step(self, running: list[Sequence]) -> int:
-        tokens, logprobs = ar_step(self.runner, running)
-        emitted = sum(s.append([t], [lp]) for s, t, lp in zip(running, tokens, logprobs))
-        self.stats.add_rounds(len(running), emitted)
-        return emitted
+        outcome = finish_round(self.runner, running, ar_verdict(self.runner, running))
+        self.stats.add_rounds(len(running), outcome.emitted)
+        return outcome.emitted

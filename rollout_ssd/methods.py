@@ -56,7 +56,7 @@ def _sd(ctx: BuildContext):
 
 
 def _ssd(ctx: BuildContext):
-    from rollout_ssd.ssd.decode import SSDDecode
+    from rollout_ssd.ssd.round import SSDDecode
 
     draft = ctx.checked_draft("SpecConfig.method='ssd'")
     ssd = ctx.spec.ssd_config()

@@ -151,3 +151,12 @@ def draw_tokens(probs: torch.Tensor, greedy: torch.Tensor, generators: list[torc
         u = torch.tensor([draw_uniform(generators[i]) for i in rows], dtype=torch.float64)
         out[rows] = sample_from_probs(probs[rows], u)
     return out
+
+
+def row_params(rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row (temperature [B], top_k [B], top_p [B]) tensors of rows that carry `params`
+    (SamplingParams): the target's sequences, or anything sampled with their law."""
+    temperature = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32)
+    top_k = torch.tensor([r.params.top_k for r in rows], dtype=torch.long)
+    top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32)
+    return temperature, top_k, top_p

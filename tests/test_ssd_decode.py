@@ -18,14 +18,12 @@ from scipy.stats import chi2
 
 from rollout_ssd import SamplingParams
 from rollout_ssd.sampling import sample_from_probs, target_probs
-from rollout_ssd.spec.random_spec import RandomConfig, RandomSpeculator
-from rollout_ssd.spec.suffix import SuffixSpeculator
-from rollout_ssd.ssd.config import SSDConfig
+from rollout_ssd.ssd.chooser import Plan
 from rollout_ssd.ssd.draft_server import DraftServer
 from rollout_ssd.ssd.messages import HIT, SYNC, AdmitRow, AdmitSequences, BuildCache, BuildRow, VerdictRow, Verdicts
 from rollout_ssd.ssd.rng import draft_key, draft_uniform_reference, draft_uniforms
+from rollout_ssd.ssd.rule import StrategyConfig, StrategyRule
 from rollout_ssd.ssd.saguaro import saguaro_probs, top_f_mask
-from rollout_ssd.ssd.strategy import StrategyConfig, StrategyRule
 from rollout_ssd.ssd.tree import SaguaroRule
 from tests.test_ssd_helpers import ar_engine, ssd_engine, tiny_pair
 
@@ -55,7 +53,7 @@ def test_greedy_ssd_equals_ar(pair48, batch):
     target, draft = pair48
     params = SamplingParams(temperature=0, max_new_tokens=20, n=2, ignore_eos=True)
     ar = ar_engine(target, batch).sample(PROMPTS, params)
-    engine = ssd_engine(target, draft, SSDConfig(k=3, fanout=(1, 1, 1, 2)), batch)
+    engine = ssd_engine(target, draft, batch, k=3, fanout=(1, 1, 1, 2))
     out = engine.sample(PROMPTS, params)
     for a, b in zip(ar, out):
         assert b.token_ids == a.token_ids
@@ -70,8 +68,7 @@ def test_greedy_ssd_planner_and_rule_equal_ar(pair48):
     target, draft = pair48
     params = SamplingParams(temperature=0, max_new_tokens=40, n=3, ignore_eos=True)
     ar = ar_engine(target, 4).sample(PROMPTS, params)
-    engine = ssd_engine(target, draft, SSDConfig(k=3, strategy_rule=True, backup="suffix"), 4,
-                        backup=SuffixSpeculator())
+    engine = ssd_engine(target, draft, 4, k=3, strategy_rule=True, backup="suffix")
     out = engine.sample(PROMPTS, params)
     assert [b.token_ids for b in out] == [a.token_ids for a in ar]
     m = engine.metrics()
@@ -83,13 +80,14 @@ def test_ar_rounds_time_decode_not_verify(pair48):
     """An AR round is a one-token step: its time is AR's decode time, never a K+1-token verify's (when AR
     rounds fed the verify estimate, it sank towards the decode time and SD/SSD scored too high)."""
     target, draft = pair48
-    engine = ssd_engine(target, draft, SSDConfig(k=3, strategy_rule=True), 3)
+    engine = ssd_engine(target, draft, 3, k=3, strategy_rule=True)
     ssd = engine.strategy
-    ssd.rule = StrategyRule(StrategyConfig(candidates=ssd.rule.config.candidates, fixed="ar"))
+    chooser = ssd.chooser
+    chooser.rule = StrategyRule(StrategyConfig(candidates=chooser.rule.config.candidates, fixed="ar"))
     seen = []
-    observe = ssd.estimates.observe_time
-    ssd.estimates.observe_time = lambda name, seconds, batch: (seen.append((ssd.strategy, name)),
-                                                              observe(name, seconds, batch))
+    observe = chooser.estimates.observe_time
+    chooser.estimates.observe_time = lambda name, seconds, batch: (seen.append((chooser.current.label, name)),
+                                                                  observe(name, seconds, batch))
     engine.sample(PROMPTS[:3], SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True))
     verify = [s for s, name in seen if name == "verify"]
     decode = [s for s, name in seen if name == "decode"]
@@ -106,25 +104,26 @@ def test_first_rounds_do_not_feed_acceptance_estimates(pair48):
     out of the acceptance and tokens-per-round estimates the rule scores SD and SSD with, and a round of
     first rounds only times nothing (one-off costs); later rounds feed both."""
     target, draft = pair48
-    engine = ssd_engine(target, draft, SSDConfig(k=3, strategy_rule=True), 3)
+    engine = ssd_engine(target, draft, 3, k=3, strategy_rule=True)
     ssd = engine.strategy
-    ssd.rule = StrategyRule(StrategyConfig(candidates=ssd.rule.config.candidates, fixed="sd"))
+    estimates = ssd.chooser.estimates
+    ssd.chooser.rule = StrategyRule(StrategyConfig(candidates=ssd.chooser.rule.config.candidates, fixed="sd"))
     seen, after_step = [], []
-    observe, step = ssd.estimates.observe_round, ssd.step
-    ssd.estimates.observe_round = lambda path, sequences, *a: (seen.append((path, sequences)),
-                                                              observe(path, sequences, *a))
+    observe, step = estimates.observe_round, ssd.step
+    estimates.observe_round = lambda path, sequences, *a: (seen.append((path, sequences)),
+                                                          observe(path, sequences, *a))
     ssd.step = lambda running: (step(running), after_step.append((len(seen), list(times))))[0]
-    times, observe_time = [], ssd.estimates.observe_time
-    ssd.estimates.observe_time = lambda name, *a: (times.append(name), observe_time(name, *a))
+    times, observe_time = [], estimates.observe_time
+    estimates.observe_time = lambda name, *a: (times.append(name), observe_time(name, *a))
     engine.sample(PROMPTS[:3], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
     assert len(after_step) >= 5 and after_step[0] == (0, [])  # round 1 is every sequence's first
-    assert "verify" in after_step[1][1] and "neural" in after_step[1][1]
+    assert "verify" in after_step[1][1] and "draft" in after_step[1][1]
     # AR's step is calibrated on each of the decide_after timed rounds before the first decision, then
     # FIRST_CALIBRATION_GAP rounds later
     warmup = ssd.config.decide_after
     assert [n.count("decode") for _, n in after_step[1:warmup + 2]] == list(range(1, warmup + 1)) + [warmup]
     assert after_step[-1][1].count("decode") == warmup
-    assert seen and all(path in ("neural", "hit") for path, _ in seen)
+    assert seen and all(path in ("draft", "hit") for path, _ in seen)
     assert sum(n for _, n in seen) >= 3 * 2  # the later rounds of all three sequences are observed
     engine.close()
 
@@ -134,16 +133,17 @@ def test_rule_leaves_the_default_early_only_for_a_clear_winner(pair48, monkeypat
     """Before decide_after timed rounds the rule keeps ssd+<backup> unless another strategy scores
     decide_margin (0.3) higher: AR at 1.5x is taken after the first timed round, AR at 1.1x only once
     decide_after rounds are timed (round 1, cold, times nothing)."""
-    import rollout_ssd.ssd.strategy as strategy_module
+    import rollout_ssd.ssd.rule as strategy_module
 
     target, draft = pair48
-    engine = ssd_engine(target, draft, SSDConfig(k=3, strategy_rule=True), 3)
+    engine = ssd_engine(target, draft, 3, k=3, strategy_rule=True)
     ssd = engine.strategy
     monkeypatch.setattr(strategy_module, "strategy_scores",
                         lambda inputs, names: {n: ar_gain if n == "ar" else 1.0 for n in names})
-    chosen, choose = [], ssd._choose
-    ssd._choose = lambda batch: (chosen.append(choose(batch)), chosen[-1])[1]
+    plans, choose = [], ssd.chooser.choose
+    ssd.chooser.choose = lambda batch, fallback=None: (plans.append(choose(batch, fallback)), plans[-1])[1]
     engine.sample(PROMPTS[:3], SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True))
+    chosen = [plan.label for plan in plans]
     first_ar = chosen.index("ar")
     assert set(chosen[:first_ar]) == {"ssd+neural"} and set(chosen[first_ar:]) == {"ar"}
     assert first_ar == (2 if ar_gain > 1 + ssd.config.decide_margin else 1 + ssd.config.decide_after)
@@ -154,19 +154,20 @@ def test_a_clear_early_choice_stands_by_the_hysteresis(pair48, monkeypatch):
     """AR taken early for a clear lead (1.5x) stays when its lead drops to 1.2x: above the hysteresis
     (10%), below decide_margin (30%). AR rounds add no speculating round, so while the early margin
     still applied after such a choice, the rule went back to the default every round AR led by < 30%."""
-    import rollout_ssd.ssd.strategy as strategy_module
+    import rollout_ssd.ssd.rule as strategy_module
 
     target, draft = pair48
-    engine = ssd_engine(target, draft, SSDConfig(k=3, strategy_rule=True), 3)
+    engine = ssd_engine(target, draft, 3, k=3, strategy_rule=True)
     ssd = engine.strategy
     gains = []
     def scores(inputs, names):
         gains.append(1.5 if not gains else 1.2)
         return {n: gains[-1] if n == "ar" else 1.0 for n in names}
     monkeypatch.setattr(strategy_module, "strategy_scores", scores)
-    chosen, choose = [], ssd._choose
-    ssd._choose = lambda batch: (chosen.append(choose(batch)), chosen[-1])[1]
+    plans, choose = [], ssd.chooser.choose
+    ssd.chooser.choose = lambda batch, fallback=None: (plans.append(choose(batch, fallback)), plans[-1])[1]
     engine.sample(PROMPTS[:3], SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True))
+    chosen = [plan.label for plan in plans]
     # rounds 1 (cold) and 2 run the default before any timed round; the first scored decision takes AR
     assert chosen[:3] == ["ssd+neural", "ssd+neural", "ar"] and len(chosen) > 6 and set(chosen[2:]) == {"ar"}
     assert len(gains) == len(chosen) - 2 and gains[1:] and set(gains[1:]) == {1.2}
@@ -177,17 +178,18 @@ def test_hysteresis_keeps_the_choice_made_at_each_batch_size(pair48, monkeypatch
     """AR best at 16 sequences, SSD at 4: back at 16 after a tail at 4 the rule runs AR at once (its
     choice there), not SSD until AR wins switch_after decisions in a row; a batch size never decided
     at is decided at once."""
-    import rollout_ssd.ssd.strategy as strategy_module
+    import rollout_ssd.ssd.rule as strategy_module
 
     target, draft = pair48
-    engine = ssd_engine(target, draft, SSDConfig(k=3, strategy_rule=True), 3)
+    engine = ssd_engine(target, draft, 3, k=3, strategy_rule=True)
     ssd = engine.strategy
     engine.sample(PROMPTS[:3], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
-    assert ssd._decided
+    assert ssd.chooser.decided
     monkeypatch.setattr(strategy_module, "strategy_scores", lambda inputs, names: {
         n: (2.0 if n == "ar" else 1.0) if inputs.batch_size >= 8 else (0.5 if n == "ar" else 1.0) for n in names})
     # the warm-up ran at 1-3 sequences; 4 and 12 are decided here for the first time
-    assert [ssd._choose(b) for b in (16, 4, 16, 12, 16, 4)] == ["ar", "ssd+neural", "ar", "ar", "ar", "ssd+neural"]
+    assert [ssd.chooser.choose(b).label for b in (16, 4, 16, 12, 16, 4)] == \
+        ["ar", "ssd+neural", "ar", "ar", "ar", "ssd+neural"]
     engine.close()
 
 
@@ -199,11 +201,11 @@ def test_ar_rounds_are_the_ar_engines_steps(pair48, temperature, top_p):
     target, draft = pair48
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=12, ignore_eos=True, seed=5)
     ar = ar_engine(target, 3).sample(PROMPTS[:3], params)
-    engine = ssd_engine(target, draft, SSDConfig(k=3, strategy_rule=True), 3)
+    engine = ssd_engine(target, draft, 3, k=3, strategy_rule=True)
     ssd = engine.strategy
-    ssd._choose = lambda batch: "ar"
+    ssd.chooser.choose = lambda batch, fallback=None: Plan.AR
     verified = []
-    ssd.verify_round = lambda *a: verified.append(a)  # SD's verification (SDDecode.verify_round): not for AR
+    ssd.verify_round = lambda *a: verified.append(a)  # chain verification (decode.verify_round): not for AR
     ssd.trace = trace = []
     out = engine.sample(PROMPTS[:3], params)
     assert not verified
@@ -215,8 +217,8 @@ def test_ar_rounds_are_the_ar_engines_steps(pair48, temperature, top_p):
     assert [o.token_ids for o in out] == [a.token_ids for a in ar]
     assert torch.allclose(torch.tensor([o.logprobs for o in out]), torch.tensor([a.logprobs for a in ar]), atol=1e-5)
     assert engine.metrics()["ssd/strategy_rounds"] == {"ar": 11}  # the first token comes from the prefill
-    turns = itertools.cycle(["ar", "ssd+neural", "ar", "ar", "sd"])
-    ssd._choose = lambda batch: next(turns)
+    turns = itertools.cycle([Plan.AR, Plan.SSD_DRAFT, Plan.AR, Plan.AR, Plan.SD])
+    ssd.chooser.choose = lambda batch, fallback=None: next(turns)
     greedy = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
     assert [o.token_ids for o in engine.sample(PROMPTS, greedy)] == \
         [a.token_ids for a in ar_engine(target, 3).sample(PROMPTS, greedy)]
@@ -316,7 +318,7 @@ def _chi_square_pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:
 
 
 LAW_CASES = {
-    # name: (SSDConfig kwargs, temperature, top_p, backup)
+    # name: (SpecConfig SSD kwargs, temperature, top_p, backup)
     "hit-path": (dict(k=2, fanout=(4, 4, 5)), 1.0, 1.0, None),
     "miss-neural": (dict(k=2, fanout=(0, 1, 1)), 1.0, 1.0, None),
     "miss-suffix": (dict(k=2, fanout=(0, 1, 1), backup="suffix"), 1.0, 1.0, "suffix"),
@@ -332,10 +334,10 @@ def test_law_matches_target(pair6, case):
     target, draft = pair6
     kwargs, temperature, top_p, backup_name = LAW_CASES[case]
     vocab = 6
-    backup = {None: None, "suffix": SuffixSpeculator(), "random": RandomSpeculator(RandomConfig(vocab))}[backup_name]
+    assert kwargs.get("backup", "neural") == (backup_name or "neural")  # the engine builds the backup speculator
     prompt = [1, 4, 2]
     n = 1500
-    engine = ssd_engine(target, draft, SSDConfig(**kwargs), batch=500, max_model_len=16, backup=backup)
+    engine = ssd_engine(target, draft, batch=500, max_model_len=16, **kwargs)
     out = engine.sample([prompt], SamplingParams(n=n, temperature=temperature, top_p=top_p, max_new_tokens=6,
                                                  ignore_eos=True, seed=11))
     m = engine.metrics()

@@ -1,4 +1,4 @@
-"""Shared helpers for the SSD tests: tiny Llama pairs and an engine running SSDDecode."""
+"""Shared helpers for the SSD tests: tiny Llama pairs and SSD engines built through the public API."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import torch
 
 from rollout_ssd import EngineConfig, RolloutEngine, SpecConfig
 from rollout_ssd.models.loader import load_pretrained
-from rollout_ssd.ssd.config import SSDConfig
-from rollout_ssd.ssd.decode import SSDDecode
 
 
 def tiny_pair(directory: Path, vocab: int, seed: int = 0, draft_noise: float = 0.3, logit_scale: float = 8.0):
@@ -33,12 +31,12 @@ def tiny_pair(directory: Path, vocab: int, seed: int = 0, draft_noise: float = 0
             load_pretrained(str(directory / "draft"), dtype="float32"))
 
 
-def ssd_engine(target, draft, config: SSDConfig, batch: int = 3, max_model_len: int = 128, backup=None):
-    """An engine whose decode strategy is SSDDecode (built the way engine._make_strategy should)."""
-    engine = RolloutEngine(target, SpecConfig(method="ar"), EngineConfig(max_batch_size=batch,
-                                                                        max_model_len=max_model_len))
-    engine.strategy = SSDDecode(engine.runner, draft.model, config, engine.stats, backup=backup)
-    return engine
+def ssd_engine(target, draft, batch: int = 3, max_model_len: int = 128, **spec):
+    """RolloutEngine(target, SpecConfig(method="ssd", **spec), ...) with the draft in process and the
+    strategy rule off unless `spec` says otherwise (what these tests were written against)."""
+    spec = {"worker": False, "strategy_rule": False, **spec}
+    return RolloutEngine(target, SpecConfig(method="ssd", **spec),
+                         EngineConfig(max_batch_size=batch, max_model_len=max_model_len), draft=draft)
 
 
 def ar_engine(target, batch: int = 3, max_model_len: int = 128):

@@ -13,7 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import minimize
 
+from rollout_ssd.config import SpecConfig
 from rollout_ssd.ssd.config import SSDConfig
+from rollout_ssd.ssd.estimates import EstimatesConfig, LiveEstimates
 from rollout_ssd.ssd.fanout import (
     FanoutConfig,
     FanoutPlanner,
@@ -23,18 +25,8 @@ from rollout_ssd.ssd.fanout import (
     optimal_miss_rate,
     outcome_weights,
 )
-from rollout_ssd.ssd.saguaro import (
-    acceptance_probability,
-    adaptive_c,
-    entropy,
-    hit_probability,
-    saguaro_probs,
-    top_f_mask,
-)
-from rollout_ssd.ssd.strategy import (
+from rollout_ssd.ssd.rule import (
     STRATEGIES,
-    EstimatesConfig,
-    LiveEstimates,
     StrategyConfig,
     StrategyInputs,
     StrategyRule,
@@ -44,6 +36,14 @@ from rollout_ssd.ssd.strategy import (
     ssd_speedup,
     strategy_scores,
     tokens_from_acceptance,
+)
+from rollout_ssd.ssd.saguaro import (
+    acceptance_probability,
+    adaptive_c,
+    entropy,
+    hit_probability,
+    saguaro_probs,
+    top_f_mask,
 )
 
 GRID = [(a, K, B, r) for a in (0.05, 0.3, 0.5, 0.62, 0.8, 0.97) for K in (1, 3, 5, 8)
@@ -360,9 +360,9 @@ def test_b_star_edge_cases():
     assert b_star(0.9, 3.3, 3.0, 0.5) == pytest.approx(math.log(0.8) / math.log(0.9))
 
 
-def two_option_inputs(p, e_hit, e_neural, e_fast, t_n, t_p, b):
-    return StrategyInputs(p_hit=p, tokens={"hit": e_hit, "neural": e_neural, "suffix": 1.0, "random": e_fast},
-                          draft_seconds={"neural": t_n * 0.02, "suffix": 0.0, "random": 0.0},
+def two_option_inputs(p, e_hit, e_draft, e_fast, t_n, t_p, b):
+    return StrategyInputs(p_hit=p, tokens={"hit": e_hit, "draft": e_draft, "suffix": 1.0, "random": e_fast},
+                          draft_seconds={"draft": t_n * 0.02, "suffix": 0.0, "random": 0.0},
                           primary_seconds=t_p * 0.02, verify_seconds=0.02, decode_seconds=0.015,
                           batch_size=b, k=5)
 
@@ -371,16 +371,16 @@ def test_rule_reduces_to_b_star():
     rule = StrategyRule(StrategyConfig(candidates=("ssd+neural", "ssd+random")))
     checked = 0
     for p in (0.3, 0.6, 0.8, 0.9, 0.97):
-        for e_hit, e_neural, e_fast in ((4.0, 4.0, 1.0), (5.0, 3.5, 2.0), (3.0, 3.0, 2.5), (2.0, 2.0, 1.9)):
+        for e_hit, e_draft, e_fast in ((4.0, 4.0, 1.0), (5.0, 3.5, 2.0), (3.0, 3.0, 2.5), (2.0, 2.0, 1.9)):
             for t_n in (0.05, 0.2, 0.5, 1.0):
                 for t_p in (0.3, 1.0):
-                    N = p * e_hit + (1 - p) * e_neural
+                    N = p * e_hit + (1 - p) * e_draft
                     F = p * e_hit + (1 - p) * e_fast
                     bs = b_star(p, N, F, t_n)
                     for b in (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128):
                         if abs(b - bs) < 1e-6:
                             continue
-                        d = rule.decide(two_option_inputs(p, e_hit, e_neural, e_fast, t_n, t_p, b))
+                        d = rule.decide(two_option_inputs(p, e_hit, e_draft, e_fast, t_n, t_p, b))
                         assert d.chosen == ("ssd+neural" if b < bs else "ssd+random"), (p, e_hit, t_n, b, bs)
                         assert d.b_star == bs
                         checked += 1
@@ -388,8 +388,8 @@ def test_rule_reduces_to_b_star():
 
 
 def test_rule_scores_match_theorem7_at_batch_one():
-    inp = StrategyInputs(p_hit=0.7, tokens={"hit": 4.0, "neural": 3.5, "suffix": 2.0, "random": 1.0},
-                         draft_seconds={"neural": 0.01, "suffix": 0.001, "random": 0.0},
+    inp = StrategyInputs(p_hit=0.7, tokens={"hit": 4.0, "draft": 3.5, "suffix": 2.0, "random": 1.0},
+                         draft_seconds={"draft": 0.01, "suffix": 0.001, "random": 0.0},
                          primary_seconds=0.03, verify_seconds=0.02, decode_seconds=0.01, batch_size=1, k=5)
     s = strategy_scores(inp)
     assert set(s) == set(STRATEGIES)
@@ -413,8 +413,8 @@ def test_rule_scores_match_theorem7_at_batch_one():
 
 
 def test_rule_switches_only_after_winning_in_a_row():
-    inp = StrategyInputs(p_hit=0.7, tokens={"hit": 4.0, "neural": 3.5, "suffix": 2.0, "random": 1.0},
-                         draft_seconds={"neural": 0.01, "suffix": 0.001, "random": 0.0},
+    inp = StrategyInputs(p_hit=0.7, tokens={"hit": 4.0, "draft": 3.5, "suffix": 2.0, "random": 1.0},
+                         draft_seconds={"draft": 0.01, "suffix": 0.001, "random": 0.0},
                          primary_seconds=0.03, verify_seconds=0.02, decode_seconds=0.01, batch_size=1, k=5)
     best = max(strategy_scores(inp), key=strategy_scores(inp).get)
     assert best != "ar"
@@ -441,8 +441,8 @@ def test_live_estimates():
         est.inputs(8)  # no verify time yet
     est.observe_time("verify", 0.02, 8)
     prior_inputs = est.inputs(8)
-    assert prior_inputs.draft_seconds["neural"] == pytest.approx(0.01)
-    prior_a = {"neural": 0.6, "suffix": 0.3, "random": 0.0}
+    assert prior_inputs.draft_seconds["draft"] == pytest.approx(0.01)
+    prior_a = {"draft": 0.6, "suffix": 0.3, "random": 0.0}
     assert prior_inputs.tokens == pytest.approx(tokens_from_acceptance(prior_a, 4))
     assert prior_inputs.tokens["hit"] == pytest.approx(expected_tokens_per_round(0.6, 4))
     for _ in range(400):
@@ -452,7 +452,7 @@ def test_live_estimates():
         est.observe_time("primary", 0.015, 8)
         est.observe_time("random", 0.0005, 8)
     assert est.p_hit == pytest.approx(0.75, abs=1e-6)
-    assert est.accept_rate("neural") == pytest.approx(0.75, abs=1e-6)
+    assert est.accept_rate("draft") == pytest.approx(0.75, abs=1e-6)
     assert est.accept_rate("random") == pytest.approx(0.0, abs=1e-6)
     inp = est.inputs(8)
     assert inp.tokens["hit"] == pytest.approx(4.0, abs=1e-6) and inp.tokens["random"] == pytest.approx(1.0)
@@ -539,7 +539,7 @@ def test_live_times_depend_on_the_batch_size():
     lambda: StrategyConfig(hysteresis=-1.0),
     lambda: StrategyConfig(switch_after=0),
     lambda: EstimatesConfig(k=0),
-    lambda: EstimatesConfig(k=4, prior_accept={"neural": 0.5}),
+    lambda: EstimatesConfig(k=4, prior_accept={"draft": 0.5}),
     lambda: EstimatesConfig(k=4, halflife_rounds=0.0),
     lambda: two_option_inputs(1.2, 4.0, 4.0, 1.0, 0.5, 0.5, 4),
     lambda: two_option_inputs(0.8, 9.0, 4.0, 1.0, 0.5, 0.5, 4),  # E > k+1
@@ -557,3 +557,15 @@ def test_strategy_configs_reject_bad_values(make):
 def test_ssd_config_rejects_bad_rule_settings(field, value):
     with pytest.raises(ValueError, match=rf"SSDConfig\.{field}"):
         SSDConfig(**{field: value})
+    with pytest.raises(ValueError, match=rf"SpecConfig\.{field}"):  # the public surface names its own field
+        SpecConfig(method="ssd", **{field: value})
+
+
+def test_ssd_config_is_the_spec_configs_ssd_knobs():
+    """Every SSDConfig field is a SpecConfig field with the same default, and passes through unchanged."""
+    spec_fields = {f.name: f.default for f in dataclasses.fields(SpecConfig)}
+    for f in dataclasses.fields(SSDConfig):
+        assert f.name in spec_fields and f.default == spec_fields[f.name], f.name
+    spec = SpecConfig(method="ssd", k=3, fanout=(1, 1, 1, 2), hysteresis=0.2, worker=False, fallback="ar")
+    ssd = spec.ssd_config()
+    assert (ssd.k, ssd.fanout, ssd.hysteresis, ssd.worker, ssd.fallback) == (3, (1, 1, 1, 2), 0.2, False, "ar")

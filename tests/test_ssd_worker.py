@@ -14,7 +14,6 @@ import signal
 import pytest
 
 from rollout_ssd import SamplingParams
-from rollout_ssd.ssd.config import SSDConfig
 from tests.test_ssd_helpers import ar_engine, ssd_engine, tiny_pair
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [3, 3, 3, 3]]
@@ -64,7 +63,7 @@ def _inject(engine, after_steps: int, fault):
 
 def test_worker_greedy_equals_ar(pair, ar_out):
     affinity = os.sched_getaffinity(0)
-    engine = ssd_engine(*pair, SSDConfig(k=3, fanout=(1, 1, 1, 2), worker=True), batch=3)
+    engine = ssd_engine(*pair, batch=3, k=3, fanout=(1, 1, 1, 2), worker=True)
     assert not engine.strategy.client.in_process and engine.strategy.client.process.is_alive()
     out = engine.sample(PROMPTS, GREEDY)
     assert [r.token_ids for r in out] == ar_out
@@ -80,7 +79,7 @@ def test_worker_greedy_equals_ar(pair, ar_out):
 
 @pytest.mark.parametrize("fault", ["kill", "freeze"])
 def test_worker_fault_falls_back_and_restarts(pair, ar_out, fault):
-    engine = ssd_engine(*pair, SSDConfig(k=3, fanout=(1, 1, 1, 2), worker=True, worker_timeout=2.0), batch=3)
+    engine = ssd_engine(*pair, batch=3, k=3, fanout=(1, 1, 1, 2), worker=True, worker_timeout=2.0)
     first_pid = engine.strategy.client.pid
     sig = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
     _inject(engine, 5, lambda pid: os.kill(pid, sig))
@@ -108,10 +107,10 @@ def test_worker_law_matches_in_process_at_temperature(pair):
     nothing but timing."""
     params = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=16, n=3, seed=4, ignore_eos=True)
     cfg = dict(k=3, fanout=(2, 1, 1, 2), C=0.5)
-    local = ssd_engine(*pair, SSDConfig(**cfg), batch=4)
+    local = ssd_engine(*pair, batch=4, **cfg)
     expect = [r.token_ids for r in local.sample(PROMPTS, params)]
     local.close()
-    engine = ssd_engine(*pair, SSDConfig(worker=True, **cfg), batch=4)
+    engine = ssd_engine(*pair, batch=4, worker=True, **cfg)
     got = [r.token_ids for r in engine.sample(PROMPTS, params)]
     engine.close()
     assert got == expect
@@ -120,8 +119,8 @@ def test_worker_law_matches_in_process_at_temperature(pair):
 
 def test_worker_that_cannot_start_falls_back(pair, ar_out):
     with pytest.warns(RuntimeWarning, match="draft worker failed"):
-        engine = ssd_engine(*pair, SSDConfig(k=3, fanout=(1, 1, 1, 2), worker=True, startup_timeout=0.05,
-                                             max_restarts=0), batch=3)
+        engine = ssd_engine(*pair, batch=3, k=3, fanout=(1, 1, 1, 2), worker=True, startup_timeout=0.05,
+                            max_restarts=0)
     assert engine.strategy.client.in_process
     assert [r.token_ids for r in engine.sample(PROMPTS, GREEDY)] == ar_out
     engine.close()

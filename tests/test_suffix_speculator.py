@@ -84,7 +84,7 @@ def test_repeated_prompt_text_is_proposed():
     spec.on_admit([seq])
     proposal = spec.propose([seq], [4])
     assert proposal.tokens == [[13, 14, 15, 16]]
-    assert isinstance(proposal.draft, PointDraft)
+    assert isinstance(proposal.q, PointDraft)
 
 
 def test_the_sequences_own_repetition_is_proposed():
@@ -321,7 +321,7 @@ def test_random_is_reproducible_per_sequence_and_independent_of_the_batch():
     assert round1[2] == expected.tolist()
     assert len({tuple(t) for t in round1}) == 4  # each sequence has its own stream
     assert all(0 <= t < 1000 for row in round1 + round2 for t in row)
-    assert isinstance(spec.propose(batch[:1], [1]).draft, PointDraft)
+    assert isinstance(spec.propose(batch[:1], [1]).q, PointDraft)
 
 
 def test_random_never_touches_the_verification_generator_and_k0_draws_nothing():

@@ -1,4 +1,4 @@
-"""A neural draft model as a speculator: any small model sharing the target's tokenizer.
+"""A draft model as a speculator: any small model sharing the target's tokenizer.
 
 The draft runs on our own runtime with its own KV cache. For each sequence it remembers how many of
 the sequence's tokens its cache holds (`cached`); a round feeds every token it has not seen yet
@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import torch
 
-from rollout_ssd.decode import row_params
 from rollout_ssd.models.decoder import Decoder
 from rollout_ssd.runner import ModelRunner
-from rollout_ssd.sampling import draw_tokens, sequence_generator, target_probs
+from rollout_ssd.sampling import draw_tokens, row_params, sequence_generator, target_probs
 from rollout_ssd.sequence import Sequence
+from rollout_ssd.spec.chain_drafter import draft_chains
+from rollout_ssd.spec.draft_kv import kept_length
 from rollout_ssd.spec.speculator import Proposal, Speculator
 from rollout_ssd.spec.verify import DenseDraft, SparseDraft
 
@@ -93,38 +94,33 @@ class DraftModelSpeculator(Speculator):
         if active:
             sub = [seqs[i] for i in active]
             k_sub = [ks[i] for i in active]
-            slots = [self.slot[id(s)] for s in sub]
             temperature, top_k, top_p = row_params(sub)
             greedy = temperature <= 0
             gens = [self.generators[id(s)] for s in sub]
-            # catch up on every token the draft has not seen (at least the last emitted one)
-            logits = self.runner.extend(slots, [s.all_token_ids[self.cached[id(s)]:] for s in sub],
-                                        last_only=True, head_only=True)
-            for s in sub:
-                self.cached[id(s)] = s.num_tokens
-            for step in range(k_max):
-                rows = [r for r in range(len(sub)) if k_sub[r] > step]
-                q = target_probs(logits[rows], temperature[rows], top_k[rows], top_p[rows])
+
+            def sample(step: int, rows: list[int], logits: torch.Tensor) -> list[int]:
+                q = target_probs(logits, temperature[rows], top_k[rows], top_p[rows])  # the draft law
                 drawn = draw_tokens(q, greedy[rows], [gens[r] for r in rows])
                 if self.stop_prob > 0.0 and step + 1 < k_max:
-                    self._stop_unsure(k_sub, rows, step, logits[rows], q, drawn, greedy[rows])
+                    self._stop_unsure(k_sub, rows, step, logits, q, drawn, greedy[rows])
                 if head_ids is not None:
                     drawn = head_ids[drawn]
-                drawn = drawn.tolist()
                 for j, r in enumerate(rows):
-                    tokens[active[r]].append(drawn[j])
                     q_all[active[r], step] = q[j]
-                nxt = [(r, t) for r, t in zip(rows, drawn) if k_sub[r] > step + 1]
-                if nxt:
-                    logits[[r for r, _ in nxt]] = self.runner.decode([slots[r] for r, _ in nxt], [t for _, t in nxt],
-                                                                     head_only=True)
+                return drawn.tolist()
+
+            # catch up on every token the draft has not seen (at least the last emitted one)
+            chains = draft_chains(self.runner, [self.slot[id(s)] for s in sub],
+                                  [s.all_token_ids[self.cached[id(s)]:] for s in sub], k_sub, sample, head_only=True)
             for r, s in enumerate(sub):
-                self.drafted[id(s)] = tokens[active[r]][: k_sub[r] - 1]  # written into the draft cache
+                tokens[active[r]] = chains[r]
+                self.cached[id(s)] = s.num_tokens
+                self.drafted[id(s)] = chains[r][: k_sub[r] - 1]  # written into the draft cache
         if head_ids is None:
-            draft = DenseDraft(q_all)
+            q = DenseDraft(q_all)
         else:
-            draft = SparseDraft(head_ids.expand(len(seqs), q_all.shape[1], width), q_all)
-        return Proposal(tokens=tokens, draft=draft)
+            q = SparseDraft(head_ids.expand(len(seqs), q_all.shape[1], width), q_all)
+        return Proposal(tokens=tokens, q=q)
 
     def _stop_unsure(self, k_sub: list[int], rows: list[int], step: int, logits: torch.Tensor, q: torch.Tensor,
                      drawn: torch.Tensor, greedy: torch.Tensor) -> None:
@@ -142,12 +138,7 @@ class DraftModelSpeculator(Speculator):
             key = id(seq)
             if key not in self.slot:
                 continue
-            base, drafted = self.cached[key], self.drafted[key]
-            tail = seq.all_token_ids[base:]
-            agree = 0
-            while agree < min(len(drafted), len(tail)) and drafted[agree] == tail[agree]:
-                agree += 1
-            keep = min(base + agree, seq.num_tokens - 1)
+            keep = kept_length(self.cached[key], self.drafted[key], seq.all_token_ids)
             self.runner.rollback(self.slot[key], keep)
             self.cached[key] = keep
             self.drafted[key] = []

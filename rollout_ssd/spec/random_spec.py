@@ -54,7 +54,7 @@ class RandomSpeculator(Speculator):
                 continue
             gen = self._generator(seq)
             tokens.append(torch.randint(0, self.config.vocab_size, (k,), generator=gen).tolist())
-        return Proposal(tokens=tokens, draft=PointDraft())
+        return Proposal(tokens=tokens, q=PointDraft())
 
     def on_admit(self, seqs: list[Sequence]) -> None:
         for seq in seqs:

@@ -1,8 +1,8 @@
 """The speculator interface: one class per way of proposing draft tokens.
 
 A speculator proposes up to k tokens per running sequence together with the exact distribution
-each token was drawn from (a `DraftDistribution` from `verify.py`): dense or sparse q for a neural
-draft, a point mass for suffix/n-gram/random proposals. Verification only needs that q, so any
+each token was drawn from (a `DraftDistribution` from `verify.py`): dense or sparse q for the draft
+model, a point mass for suffix/n-gram/random proposals. Verification only needs that q, so any
 speculator is lossless as long as it reports what it really sampled from.
 
 Lifecycle, driven by the SD decode strategy:
@@ -26,7 +26,7 @@ from rollout_ssd.spec.verify import DraftDistribution
 @dataclass
 class Proposal:
     tokens: list[list[int]]  # per sequence, its proposed tokens (length <= its k; may be empty)
-    draft: DraftDistribution  # rows aligned with `tokens`
+    q: DraftDistribution  # the draft law each token was drawn from; rows aligned with `tokens`
 
 
 def check_ks(seqs: list[Sequence], ks: list[int]) -> None:

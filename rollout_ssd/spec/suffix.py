@@ -171,7 +171,7 @@ class SuffixSpeculator(Speculator):
     def propose(self, seqs: list[Sequence], ks: list[int]) -> Proposal:
         check_ks(seqs, ks)
         tokens = [self.chain(seq, k)[0] if k > 0 else [] for seq, k in zip(seqs, ks)]
-        return Proposal(tokens=tokens, draft=PointDraft())
+        return Proposal(tokens=tokens, q=PointDraft())
 
     def on_admit(self, seqs: list[Sequence]) -> None:
         for seq in seqs:

@@ -19,7 +19,7 @@ suffix, n-gram, random-token speculators). A point mass is exact for ANY proposa
 the verifier's uniforms: given x, accept with prob p(x), else draw from p with x removed, renormalised,
 so x is emitted with prob p(x) and y != x with prob (1 - p(x))·p(y)/(1 - p(x)) = p(y).
 Treating it as a greedy match at T > 0 would favour argmax p (THEORY §1.5); we do not.
-`MixedDraft` combines one single-row law per row (in SSD a cache hit has neural q, a miss a point mass).
+`MixedDraft` combines one single-row law per row (in SSD a cache hit has the draft model's q, a miss a point mass).
 Verification must use exactly the q each chain was sampled from (THEORY §2).
 
 Randomness: row b draws only from generators[b], one uniform per judged draft token then one for the
@@ -164,7 +164,7 @@ class VerifyResult:
     logprobs: torch.Tensor  # [B, Kmax+1] float32: full_logprobs at the emitted tokens, padded with 0
 
 
-def _check_inputs(target_logits, draft_tokens, num_draft, draft, temperature, top_k, top_p, generators):
+def _check_inputs(target_logits, draft_tokens, num_draft, q, temperature, top_k, top_p, generators):
     if target_logits.dim() != 3:
         raise ValueError(f"target_logits must be [B, Kmax+1, V], got shape {tuple(target_logits.shape)}")
     b, k1, vocab = target_logits.shape
@@ -175,11 +175,11 @@ def _check_inputs(target_logits, draft_tokens, num_draft, draft, temperature, to
             raise ValueError(f"{name} must be [{b}], got shape {tuple(t.shape)}")
     if len(generators) != b:
         raise ValueError(f"generators must hold one generator per row ({b}), got {len(generators)}")
-    if draft.num_rows not in (None, b):
-        raise ValueError(f"draft describes {draft.num_rows} rows, the batch has {b}")
+    if q.num_rows not in (None, b):
+        raise ValueError(f"q describes {q.num_rows} rows, the batch has {b}")
     ks = num_draft.tolist()
     for row, k in enumerate(ks):
-        width = draft.width(row)
+        width = q.width(row)
         if not 0 <= k <= k1 - 1 or (width is not None and k > width):
             raise ValueError(
                 f"num_draft[{row}] = {k} is outside [0, {k1 - 1}] or beyond the draft's width {width}"
@@ -192,11 +192,50 @@ def _check_inputs(target_logits, draft_tokens, num_draft, draft, temperature, to
     return ks
 
 
+def _judge_sampled_rows(ks, greedy, p_draft, q_draft, generators, num_accepted) -> tuple[list[int], list[float]]:
+    """Step 1 for the sampled rows, in row order: one uniform per judged draft token, stopping at the first
+    rejection; writes num_accepted[b]. Then one more uniform per row, for its bonus. Returns the sampled
+    rows and those bonus uniforms."""
+    sampled, uniforms = [], []
+    for b in range(len(ks)):
+        if greedy[b]:
+            continue
+        a, gen = 0, generators[b]
+        # Accept s_i with prob min(1, p/q)  <=>  u < p/q  <=>  u·q < p  (no division; q(s_i) > 0 as s_i ~ q).
+        while a < ks[b] and draw_uniform(gen) * q_draft[b][a] < p_draft[b][a]:
+            a += 1
+        num_accepted[b] = a
+        sampled.append(b)
+        uniforms.append(draw_uniform(gen))
+    return sampled, uniforms
+
+
+def _draw_bonus(p: torch.Tensor, q: DraftDistribution, tokens_in: torch.Tensor, rows: torch.Tensor,
+                accepted: torch.Tensor, rejected: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Step 2 for the sampled `rows` [N]: t* from the residual r_j at a rejection, from p_{K+1} when all
+    were accepted, by inverse CDF with the uniforms u [N]. p: [B, K+1, V]. Returns t* [N]."""
+    vocab = p.shape[-1]
+    at = accepted[rows]  # [N]: 0-based index of the rejected token, or of the bonus slot K if none
+    dists = p[rows, at]  # [N, V]: p_{K+1} where all were accepted
+    rej = rejected[rows]  # [N]
+    if bool(rej.any()):
+        r_rows, r_at = rows[rej], at[rej]
+        p_j = dists[rej]  # [R, V]
+        q_j = q.dense(r_rows, r_at, tokens_in[r_rows, r_at], vocab).to(p.device)  # [R, V]
+        residual = torch.clamp(p_j - q_j, min=0.0)  # r_j ∝ max(p_j - q_j, 0)
+        # An all-zero residual means p_j <= q_j everywhere; as both sum to 1, p_j == q_j up to rounding,
+        # and then P(reject at j) = Σ max(q_j - p_j, 0) = 0 in exact arithmetic: we only get here on a
+        # measure-zero event (a rounding-sized excess of q), where any choice keeps the law. We draw
+        # from p_j, the law this position would have had, which never emits a zero-mass token.
+        dists[rej] = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, p_j)
+    return sample_from_probs(dists, u)
+
+
 def verify(
     target_logits: torch.Tensor,
     draft_tokens: torch.Tensor,
     num_draft: torch.Tensor,
-    draft: DraftDistribution,
+    q: DraftDistribution,
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
@@ -206,9 +245,9 @@ def verify(
 
     target_logits: [B, Kmax+1, V] raw target logits at the positions predicting s_1..s_Kmax and the bonus;
     draft_tokens: [B, Kmax] int64 (padding past num_draft[b] is ignored); num_draft: [B] int64;
-    draft: q for every row; temperature, top_p: [B] float; top_k: [B] int; generators: one per row.
+    q: the draft law of every row; temperature, top_p: [B] float; top_k: [B] int; generators: one per row.
     """
-    ks = _check_inputs(target_logits, draft_tokens, num_draft, draft, temperature, top_k, top_p, generators)
+    ks = _check_inputs(target_logits, draft_tokens, num_draft, q, temperature, top_k, top_p, generators)
     batch, k1, vocab = target_logits.shape
     kmax, device = k1 - 1, target_logits.device
     greedy = (temperature <= 0).tolist()
@@ -220,7 +259,7 @@ def verify(
     ).view(batch, k1, vocab)  # p_i, [B, K+1, V]
     tokens_in = draft_tokens.to(device).clamp(0, vocab - 1)  # [B, Kmax], padding made a valid index
     p_draft = p[:, :kmax].gather(2, tokens_in[..., None]).squeeze(2).tolist()  # p_i(s_i), [B][Kmax]
-    q_draft = draft.token_probs(tokens_in).tolist()  # q_i(s_i), [B][Kmax]
+    q_draft = q.token_probs(tokens_in).tolist()  # q_i(s_i), [B][Kmax]
     argmax = target_logits.argmax(dim=-1)  # [B, K+1]; torch returns the first index on ties
 
     # Greedy rows, vectorised: accepted = length of the prefix where s_i == argmax_i.
@@ -230,38 +269,15 @@ def verify(
 
     # Sampled rows, in order: one uniform per judged draft token, then one for the bonus.
     num_accepted = list(greedy_accepted)  # greedy rows draw nothing: their generators stay untouched
-    sampled, uniforms = [], []
-    for b in range(batch):
-        if greedy[b]:
-            continue
-        a, gen = 0, generators[b]
-        # Accept s_i with prob min(1, p/q)  <=>  u < p/q  <=>  u·q < p  (no division; q(s_i) > 0 as s_i ~ q).
-        while a < ks[b] and draw_uniform(gen) * q_draft[b][a] < p_draft[b][a]:
-            a += 1
-        num_accepted[b] = a
-        sampled.append(b)
-        uniforms.append(draw_uniform(gen))
+    sampled, uniforms = _judge_sampled_rows(ks, greedy, p_draft, q_draft, generators, num_accepted)
 
     accepted = torch.tensor(num_accepted, dtype=torch.int64, device=device)  # [B]
     rejected = accepted < num_draft.to(device)  # [B]
     bonus = argmax.gather(1, accepted[:, None]).squeeze(1)  # [B]; the greedy rows' t*
     if sampled:
         rows = torch.tensor(sampled, dtype=torch.int64, device=device)  # [N]
-        at = accepted[rows]  # [N]: 0-based index of the rejected token, or of the bonus slot K if none
-        dists = p[rows, at]  # [N, V]: p_{K+1} where all were accepted
-        rej = rejected[rows]  # [N]
-        if bool(rej.any()):
-            r_rows, r_at = rows[rej], at[rej]
-            p_j = dists[rej]  # [R, V]
-            q_j = draft.dense(r_rows, r_at, tokens_in[r_rows, r_at], vocab).to(device)  # [R, V]
-            residual = torch.clamp(p_j - q_j, min=0.0)  # r_j ∝ max(p_j - q_j, 0)
-            # An all-zero residual means p_j <= q_j everywhere; as both sum to 1, p_j == q_j up to rounding,
-            # and then P(reject at j) = Σ max(q_j - p_j, 0) = 0 in exact arithmetic: we only get here on a
-            # measure-zero event (a rounding-sized excess of q), where any choice keeps the law. We draw
-            # from p_j, the law this position would have had, which never emits a zero-mass token.
-            dists[rej] = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, p_j)
-        u = torch.tensor(uniforms, dtype=torch.float64, device=device)
-        bonus[rows] = sample_from_probs(dists, u)
+        u = torch.tensor(uniforms, dtype=torch.float64, device=device)  # [N]
+        bonus[rows] = _draw_bonus(p, q, tokens_in, rows, accepted, rejected, u)
 
     # tokens = s_1..s_a, t*, -1 padding
     col = torch.arange(k1, device=device)[None, :]  # [1, K+1]

@@ -2,7 +2,8 @@
 
 `send` delivers a message that gets no answer (admit, release, build); `request` delivers one that does
 (verdicts -> chain reply) and returns the answer. A transport failure of any kind (a dead worker, a
-timeout, a malformed reply) surfaces as `WorkerFailure`, which SSDDecode turns into a fallback.
+timeout, a malformed reply) surfaces as `WorkerFailure`, which the draft side (ssd/draft_side.py) turns into a
+fallback.
 `update_weights` brings the draft side's weights in line with the target side's copy of the draft
 (between rounds); `digest` reports a digest of the weights the draft side holds.
 """

@@ -1,13 +1,20 @@
-"""SSDConfig: every knob of speculative speculative decoding, in one small frozen dataclass."""
+"""SSDConfig: every knob of speculative speculative decoding, in one small frozen dataclass.
+
+The public surface is `SpecConfig` (rollout_ssd/config.py): every field here is a SpecConfig field of
+the same name, and its default is read from there, so the two cannot drift.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional, Union
 
-BACKUPS = ("neural", "suffix", "random")
+from rollout_ssd.config import SpecConfig
+
+BACKUPS = ("neural", "suffix", "random")  # "neural": the draft model drafts a chain on a miss
 FALLBACKS = ("sd", "ar")
+_DEFAULTS = {f.name: f.default for f in fields(SpecConfig)}
 
 
 @dataclass(frozen=True)
@@ -18,8 +25,8 @@ class SSDConfig:
     None for the Theorem 12 planner (`FanoutPlanner`) with budget B = `budget` if set, else sized from
     timings within [k+1, max_budget]. C: Saguaro constant in (0, 1] (1 = plain draft sampling) or
     "adaptive" (per-context C from the draft's entropy, `adaptive_c`, floor c_min).
-    backup: what covers a cache miss: "neural" (the draft on demand), "suffix" or "random" (a fast
-    speculator passed to SSDDecode). strategy_rule: pick per batch among ssd+neural, ssd+<fast>, sd,
+    backup: what covers a cache miss: "neural" (the draft model on demand), "suffix" or "random" (a
+    fast speculator passed to SSDDecode). strategy_rule: pick per batch among ssd+neural, ssd+<fast>, sd,
     suffix, ar from live estimates (`StrategyRule`); off = always "ssd+<backup>". hysteresis: the rule
     keeps its current strategy unless another scores this fraction higher (two strategies within
     the estimates' noise would otherwise swap back and forth, each swap costing a cold round), and
@@ -30,28 +37,28 @@ class SSDConfig:
     unless another strategy already scores decide_margin (a fraction) higher, beyond that noise.
     worker: run the draft in its own process (its own core on a CPU, pinned when pin_cores). worker_timeout:
     seconds a reply may take before the worker is declared dead; startup_timeout: the same for start-up.
-    fallback: what finishes the rollouts after a worker failure ("sd": in-process neural draft, "ar").
+    fallback: what finishes the rollouts after a worker failure ("sd": the draft model in process, "ar").
     max_restarts: automatic worker restarts (at the next admission) after failures.
     """
 
-    k: int = 4
-    fanout: Optional[tuple[int, ...]] = None
-    budget: Optional[int] = None
-    max_budget: int = 32
-    C: Union[float, str] = 1.0
-    c_min: float = 0.3
-    backup: str = "neural"
-    strategy_rule: bool = False
-    hysteresis: float = 0.10
-    switch_after: int = 2
-    decide_after: int = 3
-    decide_margin: float = 0.3
-    worker: bool = False
-    worker_timeout: float = 30.0
-    startup_timeout: float = 180.0
-    pin_cores: bool = True
-    fallback: str = "sd"
-    max_restarts: int = 1
+    k: int = _DEFAULTS["k"]
+    fanout: Optional[tuple[int, ...]] = _DEFAULTS["fanout"]
+    budget: Optional[int] = _DEFAULTS["budget"]
+    max_budget: int = _DEFAULTS["max_budget"]
+    C: Union[float, str] = _DEFAULTS["C"]
+    c_min: float = _DEFAULTS["c_min"]
+    backup: str = _DEFAULTS["backup"]
+    strategy_rule: bool = _DEFAULTS["strategy_rule"]
+    hysteresis: float = _DEFAULTS["hysteresis"]
+    switch_after: int = _DEFAULTS["switch_after"]
+    decide_after: int = _DEFAULTS["decide_after"]
+    decide_margin: float = _DEFAULTS["decide_margin"]
+    worker: bool = _DEFAULTS["worker"]
+    worker_timeout: float = _DEFAULTS["worker_timeout"]
+    startup_timeout: float = _DEFAULTS["startup_timeout"]
+    pin_cores: bool = _DEFAULTS["pin_cores"]
+    fallback: str = _DEFAULTS["fallback"]
+    max_restarts: int = _DEFAULTS["max_restarts"]
 
     def __post_init__(self):
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:

@@ -2,7 +2,7 @@
 and the speculation cache, and answers the typed messages of ssd/messages.py.
 
 The same object serves in process (SSDDecode calls `handle` directly, and construction runs serially
-before verification) and inside the worker process (ssd/worker.py feeds it decoded messages, and
+before verification) and inside the worker process (ssd/worker_process.py feeds it decoded messages, and
 construction overlaps the target's verification). It trusts nothing it is sent: unknown sequences,
 token ids outside the vocabulary and verdicts that do not match the chain it was told raise
 `ProtocolError` (in the worker that ends the process; the target side then falls back).

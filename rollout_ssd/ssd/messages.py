@@ -7,7 +7,7 @@ Per round (THEORY.md §2):
   target -> draft  Verdicts      per sequence: the verdict (k, t*) of the chain it last verified, or the
                                  tokens committed since the draft last heard of it; the chain length wanted
   draft -> target  ChainReply    per sequence: HIT (chain + q from the speculation cache), DRAFTED (the
-                                 neural draft ran on demand) or MISS (the target's fast backup covers it)
+                                 draft model ran on demand) or MISS (the target's fast backup covers it)
   target -> draft  BuildCache    the chains now sent for verification; the draft builds the next cache
                                  from them while the target verifies (no reply)
 Around it: AdmitSequences (prefill; no reply), ReleaseSequences, Barrier -> BarrierReply, Shutdown,
@@ -128,7 +128,7 @@ class VerdictRow:
     bonus: int  # t* (unused for SYNC)
     num_committed: int  # committed tokens after this verdict (a consistency check)
     length: int  # chain length wanted for the next round (0: none)
-    draft_on_miss: bool  # run the neural draft on a miss (else report MISS)
+    draft_on_miss: bool  # run the draft model on a miss (else report MISS)
     tail: tuple[int, ...] = ()  # SYNC: committed tokens the draft has not seen
 
 

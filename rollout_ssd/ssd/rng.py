@@ -11,7 +11,7 @@ only on draft uniforms at indices below the committed length (a judged draft tok
 the round commits: accepted, or replaced by the bonus token) and on the verifier's own generator. The
 next chain is drawn at indices >= the committed length, whose uniforms are therefore independent of
 everything committed. Only one branch per round is ever used, so branches sharing an index do not
-interact. A side effect we like: a cache hit and an on-demand neural draft for the same verdict draw the
+interact. A side effect we like: a cache hit and an on-demand draft-model chain for the same verdict draw the
 same uniforms, so (up to float rounding in the logits) they propose the same chain.
 The key is derived from (seed, prompt index, sample index) and a stream name that verification's
 generator (stream 0) and other speculators never use.

@@ -39,6 +39,8 @@ import torch
 from rollout_ssd.models.decoder import Decoder
 from rollout_ssd.runner import ModelRunner
 from rollout_ssd.sampling import sample_from_probs, target_probs
+from rollout_ssd.spec.chain_drafter import draft_chains
+from rollout_ssd.spec.draft_kv import kept_length
 from rollout_ssd.ssd.cache import CacheEntries
 from rollout_ssd.ssd.rng import draft_uniforms
 from rollout_ssd.ssd.saguaro import adaptive_c, entropy, saguaro_probs, top_f_mask
@@ -95,11 +97,7 @@ class TreeDrafter:
     def sync(self, st: DraftSeq) -> None:
         """Cut the KV back to the longest prefix that is still committed, keeping the last committed
         token out (every forward re-feeds it, so its logits come out)."""
-        tail = st.committed[st.base:]
-        agree = 0
-        while agree < min(len(st.spec), len(tail)) and st.spec[agree] == tail[agree]:
-            agree += 1
-        st.base = min(st.base + agree, len(st.committed) - 1)
+        st.base = kept_length(st.base, st.spec, st.committed)
         st.spec = []
         self.runner.rollback(st.slot, st.base)
 
@@ -125,7 +123,7 @@ class TreeDrafter:
             tokens[sampled] = sample_from_probs(qs, draft_uniforms(keys, index[sampled]))
         return tokens, q
 
-    # ------------------------------------------------------------------ on demand (SD / neural backup)
+    # ------------------------------------------------------------------ on demand (SD / the draft as backup)
     @torch.inference_mode()
     def draft(self, seqs: Sequence[DraftSeq], lengths: Sequence[int], fanout: Sequence[int]
               ) -> list[tuple[list[int], torch.Tensor]]:
@@ -138,26 +136,25 @@ class TreeDrafter:
         for b in rows:
             self.sync(seqs[b])
         sub = [seqs[b] for b in rows]
-        logits = self.runner.extend([s.slot for s in sub], [s.committed[s.base:] for s in sub], last_only=True)
+        sub_lengths = [lengths[b] for b in rows]
+        catch_up = [s.committed[s.base:] for s in sub]
         for s in sub:
             s.base = len(s.committed)
-        tokens = {b: [] for b in rows}
-        qs = {b: [] for b in rows}
-        for step in range(max(lengths[b] for b in rows)):
-            live = [r for r, b in enumerate(rows) if lengths[b] > step]
+        qs: list[list[torch.Tensor]] = [[] for _ in rows]
+
+        def sample(step: int, live: list[int], logits: torch.Tensor) -> list[int]:
             index = torch.tensor([len(sub[r].committed) + step for r in live], dtype=torch.long)
-            drawn, q = self.sample([sub[r] for r in live], logits[live], index, _at(fanout, step))
+            drawn, q = self.sample([sub[r] for r in live], logits, index, _at(fanout, step))
             drawn_list = drawn.tolist()
             for n, r in enumerate(live):
-                tokens[rows[r]].append(drawn_list[n])
-                qs[rows[r]].append(q[n])
-            feed = [(r, drawn_list[n]) for n, r in enumerate(live) if lengths[rows[r]] > step + 1]
-            if feed:
-                logits[[r for r, _ in feed]] = self.runner.decode([sub[r].slot for r, _ in feed], [t for _, t in feed])
-                for r, t in feed:
-                    sub[r].spec.append(t)
-        for b in rows:
-            out[b] = (tokens[b], torch.stack(qs[b]))
+                qs[r].append(q[n])
+                if sub_lengths[r] > step + 1:  # fed back: the draft KV holds it after committed
+                    sub[r].spec.append(drawn_list[n])
+            return drawn_list
+
+        chains = draft_chains(self.runner, [s.slot for s in sub], catch_up, sub_lengths, sample)
+        for r, b in enumerate(rows):
+            out[b] = (chains[r], torch.stack(qs[r]))
         return out
 
     # ------------------------------------------------------------------ cache construction

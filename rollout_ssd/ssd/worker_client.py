@@ -1,18 +1,10 @@
-"""The draft worker: the SSD draft side (DraftServer) in its own process, and the target side's client.
+"""The target side's client of the draft worker process (ssd/worker_process.py).
 
-Process: torch.multiprocessing's spawn context. The start-up arguments are plain values only (paths,
-sizes, the draft's ModelConfig fields, RoPE frequencies, a tensor manifest); the draft weights travel as
-raw tensor bytes in a shared-memory file the parent writes and the worker copies from. On a CPU the two
-processes are pinned to different cores (os.sched_setaffinity) with one intra-op thread each, so the
-target verifies on one core while the draft builds the next cache on the other: the two-device picture.
-
-Transport: per direction, shared-memory tensors (files under /dev/shm) hold the payloads (int64, and
-float32 for the q rows of chain replies); a Unix socket carries only fixed-size int64 headers
-[MAGIC, kind, sequence number, payload offset, ints, floats, 0, 0]. Nothing is pickled after spawn.
-Target -> worker payloads are appended to their buffer and the offset restarts after every reply (the
-worker handles messages in order, so a reply proves every earlier payload was read); a payload that
-does not fit first waits for a Barrier reply. Worker -> target payloads are only replies, read (and
-copied) before the next request.
+`WorkerClient.start` writes the draft's weights into a shared-memory file, opens the shared payload
+buffers and a Unix socket (ssd/wire.py), and starts the worker as a fresh interpreter
+(`python -m rollout_ssd.ssd.worker_process ARGS.json`, through subprocess: unlike multiprocessing's spawn
+it never re-imports the caller's __main__, so scripts without a main guard and notebooks work). On a CPU
+the two processes are pinned to different cores (os.sched_setaffinity) with one intra-op thread each.
 
 Draft weights: `update_weights` writes the changed tensors as a weight_sync transfer into a file of the
 shared directory (ssd/weight_file.py) and sends an UpdateDraftWeights header with its sizes. The worker
@@ -32,12 +24,10 @@ import logging
 import os
 import shutil
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import weakref
 from typing import Optional
 
@@ -47,7 +37,6 @@ from rollout_ssd.models.decoder import Decoder
 from rollout_ssd.ssd.client import DraftClient, WorkerFailure
 from rollout_ssd.ssd.config import SSDConfig
 from rollout_ssd.ssd.messages import (
-    MESSAGES,
     REPLIES,
     Barrier,
     DraftDigest,
@@ -56,63 +45,13 @@ from rollout_ssd.ssd.messages import (
     Message,
     Ready,
     Shutdown,
-    UpdateDraftWeights,
 )
-from rollout_ssd.ssd.weight_file import read_update, update_path, write_update
+from rollout_ssd.ssd.weight_file import update_path, write_update
+from rollout_ssd.ssd.wire import Buffers, read_header, send_header
 
 log = logging.getLogger(__name__)
 
-MAGIC = 0x55D5_D12A
-HEADER = struct.Struct("<8q")
 
-
-# ---------------------------------------------------------------------------------------------- framing
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        r = sock.recv_into(view[got:])
-        if r == 0:
-            raise EOFError("peer closed the connection")
-        got += r
-    return bytes(buf)
-
-
-@dataclasses.dataclass
-class _Buffers:
-    """Shared payload tensors: to_worker int64, from_worker int64 and float32."""
-
-    to_ints: torch.Tensor
-    from_ints: torch.Tensor
-    from_floats: torch.Tensor
-
-    @staticmethod
-    def sizes(num_slots: int, max_model_len: int, k: int, vocab: int) -> tuple[int, int, int]:
-        to_ints = num_slots * (max_model_len + 2 * k + 16) + 4096
-        from_ints = num_slots * (k + 8) + 64
-        from_floats = max(num_slots * k * vocab, 1)
-        return to_ints, from_ints, from_floats
-
-    @classmethod
-    def open(cls, directory: str, sizes: tuple[int, int, int]) -> "_Buffers":
-        names = ("to_ints", "from_ints", "from_floats")
-        dtypes = (torch.int64, torch.int64, torch.float32)
-        return cls(*(torch.from_file(os.path.join(directory, n), shared=True, size=s, dtype=d)
-                     for n, s, d in zip(names, sizes, dtypes)))
-
-
-def _send_header(sock, kind: int, seq: int, offset: int, n_ints: int, n_floats: int) -> None:
-    sock.sendall(HEADER.pack(MAGIC, kind, seq, offset, n_ints, n_floats, 0, 0))
-
-
-def _read_header(sock) -> tuple[int, int, int, int, int]:
-    magic, kind, seq, offset, n_ints, n_floats, _, _ = HEADER.unpack(_recv_exact(sock, HEADER.size))
-    if magic != MAGIC or kind not in MESSAGES:
-        raise MalformedMessage(f"bad header (magic {magic:#x}, kind {kind})")
-    return kind, seq, offset, n_ints, n_floats
-
-
-# ---------------------------------------------------------------------------------------------- worker
 def _write_weights(model: Decoder, path: str) -> list[tuple[str, str, tuple[int, ...], int, int]]:
     """Every HF-named tensor of the draft into one file, 64-byte aligned; returns the manifest."""
     manifest, offset = [], 0
@@ -127,101 +66,15 @@ def _write_weights(model: Decoder, path: str) -> list[tuple[str, str, tuple[int,
     return manifest
 
 
-def _load_model(args: dict) -> Decoder:
-    from rollout_ssd.models.config import ModelConfig
-    from rollout_ssd.models.loader import load_state
 
-    cfg_fields = dict(args["model_config"])
-    cfg_fields["eos_token_ids"] = tuple(cfg_fields["eos_token_ids"])
-    cfg = ModelConfig(**cfg_fields)
-    dtype = getattr(torch, args["dtype"])
-    model = Decoder(cfg, torch.tensor(args["inv_freq"], dtype=torch.float32), args["rope_scaling"], dtype=dtype)
-    total = max(off + n for _, _, _, off, n in args["manifest"]) if args["manifest"] else 1
-    raw = torch.from_file(args["weights_path"], shared=False, size=total, dtype=torch.uint8)
-    state = {}
-    for name, dt, shape, off, nbytes in args["manifest"]:
-        state[name] = raw[off: off + nbytes].view(getattr(torch, dt)).view(shape)
-    load_state(model, state)
-    return model.eval()
-
-
-def worker_main(args: dict) -> None:
-    """Entry point of the draft worker process. `args` holds plain values only."""
-    from rollout_ssd.ssd.draft_server import DraftServer
-    from rollout_ssd.ssd.tree import SaguaroRule
-
-    torch.set_num_threads(1)
-    if args.get("core") is not None:
-        try:
-            os.sched_setaffinity(0, {args["core"]})
-        except OSError:
-            pass
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.connect(args["socket_path"])
-        bufs = _Buffers.open(args["directory"], tuple(args["sizes"]))
-        model = _load_model(args)
-        server = DraftServer(model, args["num_slots"], args["max_model_len"], args["k"], args["max_branches"],
-                             SaguaroRule(C=args["C"], c_min=args["c_min"]), draft_version=args.get("draft_version", 0))
-        _reply(sock, bufs, Ready(os.getpid()), 0)
-        while True:
-            kind, seq, offset, n_ints, n_floats = _read_header(sock)
-            if offset < 0 or n_ints < 0 or offset + n_ints > bufs.to_ints.numel() or n_floats != 0:
-                raise MalformedMessage("payload outside the shared buffer")
-            ints = bufs.to_ints[offset: offset + n_ints].tolist()
-            msg = MESSAGES[kind].decode(ints, None)
-            if isinstance(msg, Shutdown):
-                break
-            if isinstance(msg, UpdateDraftWeights):
-                reply = _apply_update(server, args["directory"], msg)
-            else:
-                reply = server.handle(msg)
-            if reply is not None:
-                _reply(sock, bufs, reply, seq)
-    except EOFError:
-        pass  # the target side went away: nothing left to do
-    except BaseException:
-        traceback.print_exc(file=sys.stderr)
-        sys.stderr.flush()
-        os._exit(1)
-    finally:
-        sock.close()
-
-
-def _apply_update(server, directory: str, msg: UpdateDraftWeights) -> DraftWeightsReply:
-    """Read the transfer's file and let the server verify and apply it; a missing or mis-sized file is a
-    rejection like any other."""
-    try:
-        packet = read_update(directory, msg)
-    except (OSError, MalformedMessage, RuntimeError) as err:
-        print(f"draft worker: weight update {msg.transfer} rejected: {err}", file=sys.stderr, flush=True)
-        return DraftWeightsReply(False, server.transfer, server.draft_version, 0)
-    reply = server.apply_update(packet, msg)
-    if not reply.accepted:
-        print(f"draft worker: weight update {msg.transfer} rejected: {server.last_error}", file=sys.stderr, flush=True)
-    return reply
-
-
-def _reply(sock, bufs: _Buffers, msg: Message, seq: int) -> None:
-    ints, floats = msg.encode()
-    n_floats = 0 if floats is None else floats.numel()
-    if len(ints) > bufs.from_ints.numel() or n_floats > bufs.from_floats.numel():
-        raise MalformedMessage("reply does not fit the shared buffer")
-    bufs.from_ints[: len(ints)] = torch.tensor(ints, dtype=torch.int64)
-    if n_floats:
-        bufs.from_floats[:n_floats] = floats
-    _send_header(sock, msg.KIND, seq, 0, len(ints), n_floats)
-
-
-# ---------------------------------------------------------------------------------------------- client
 class _WorkerProcess:
-    """The worker as `python -m rollout_ssd.ssd.worker ARGS.json`, with the few Process methods we use."""
+    """The worker as `python -m rollout_ssd.ssd.worker_process ARGS.json`, with the few Process methods we use."""
 
     def __init__(self, args_path: str):
         env = dict(os.environ)
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        self._popen = subprocess.Popen([sys.executable, "-m", "rollout_ssd.ssd.worker", args_path],
+        self._popen = subprocess.Popen([sys.executable, "-m", "rollout_ssd.ssd.worker_process", args_path],
                                        stdin=subprocess.DEVNULL, env=env)
         self.pid = self._popen.pid
 
@@ -270,7 +123,7 @@ class _Resources:
         if sock is not None and proc is not None and proc.is_alive():
             try:
                 sock.settimeout(1.0)
-                _send_header(sock, Shutdown.KIND, 0, 0, 0, 0)
+                send_header(sock, Shutdown.KIND, 0, 0, 0, 0)
             except OSError:
                 pass
         if proc is not None:
@@ -301,7 +154,7 @@ class _Resources:
 class WorkerClient(DraftClient):
     in_process = False
 
-    def __init__(self, resources: _Resources, bufs: _Buffers, timeout: float):
+    def __init__(self, resources: _Resources, bufs: Buffers, timeout: float):
         self._res = resources
         self._transfer = 0  # draft weight transfers sent (the worker has applied all of them)
         self.weight_bytes = 0  # bytes of draft weight transfers written for the worker
@@ -337,8 +190,8 @@ class WorkerClient(DraftClient):
         base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         res.directory = tempfile.mkdtemp(prefix="rollout-ssd-", dir=base)
         vocab = draft_model.cfg.vocab_size
-        sizes = _Buffers.sizes(num_slots, max_model_len, config.k, vocab)
-        bufs = _Buffers.open(res.directory, sizes)
+        sizes = Buffers.sizes(num_slots, max_model_len, config.k, vocab)
+        bufs = Buffers.open(res.directory, sizes)
         weights_path = os.path.join(res.directory, "weights")
         manifest = _write_weights(draft_model, weights_path)
         socket_path = os.path.join(res.directory, "sock")
@@ -403,7 +256,7 @@ class WorkerClient(DraftClient):
                 self._barrier()
             self._bufs.to_ints[self._offset: self._offset + len(ints)] = torch.tensor(ints, dtype=torch.int64)
             self._seq += 1
-            _send_header(self._res.sock, msg.KIND, self._seq, self._offset, len(ints), 0)
+            send_header(self._res.sock, msg.KIND, self._seq, self._offset, len(ints), 0)
             self._offset += len(ints)
         except (OSError, EOFError) as err:
             raise self._die(f"send failed: {err}") from err
@@ -445,7 +298,7 @@ class WorkerClient(DraftClient):
 
     def _barrier(self) -> None:
         self._seq += 1
-        _send_header(self._res.sock, Barrier.KIND, self._seq, 0, 0, 0)
+        send_header(self._res.sock, Barrier.KIND, self._seq, 0, 0, 0)
         self._receive(REPLIES[Barrier], self._timeout, expect_seq=self._seq)
         self._offset = 0
 
@@ -453,7 +306,7 @@ class WorkerClient(DraftClient):
         sock = self._res.sock
         try:
             sock.settimeout(timeout)
-            kind, seq, offset, n_ints, n_floats = _read_header(sock)
+            kind, seq, offset, n_ints, n_floats = read_header(sock)
             if kind != expected.KIND or seq != expect_seq or offset != 0:
                 raise MalformedMessage(f"expected {expected.__name__} #{expect_seq}, got kind {kind} #{seq}")
             if not 0 <= n_ints <= self._bufs.from_ints.numel() or not 0 <= n_floats <= self._bufs.from_floats.numel():
@@ -480,8 +333,3 @@ class WorkerClient(DraftClient):
 
     def close(self) -> None:
         self._finalizer()  # runs _Resources.release once
-
-
-if __name__ == "__main__":
-    with open(sys.argv[1]) as _f:
-        worker_main(json.load(_f))

@@ -1,0 +1,243 @@
+"""Live estimates for the strategy rule: per-round counters in, `StrategyInputs` (ssd/rule.py) out.
+
+Every estimate is an exponentially weighted count, so old rounds fade as the policy moves (in RL it
+moves every step, and hit rate and acceptance drift with it); priors enter as pseudo-counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from rollout_ssd.config import SPECULATORS
+from rollout_ssd.ssd.rule import StrategyInputs, tokens_from_acceptance
+
+
+@dataclass(frozen=True)
+class EstimatesConfig:
+    """k: speculated tokens per round. halflife_rounds: EMA half-life, in rounds, of every estimate.
+    prior_accept: per-speculator acceptance a before data; tokens priors are E(prior a, k).
+    prior_p_hit: hit rate before data. prior_weight: the priors' weight, in sequence-rounds
+    (resp. judged tokens). prior_time_units: times before measurement, in verify units.
+    """
+
+    k: int
+    halflife_rounds: float = 50.0
+    prior_p_hit: float = 0.6
+    prior_accept: Mapping[str, float] = field(
+        default_factory=lambda: {"draft": 0.6, "suffix": 0.3, "random": 0.0})
+    prior_weight: float = 4.0
+    prior_time_units: Mapping[str, float] = field(
+        default_factory=lambda: {"primary": 0.9, "overhead": 0.0, "decode": 1.0, "draft": 0.5, "suffix": 0.01,
+                                 "random": 0.0})
+
+    def __post_init__(self):
+        if not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"EstimatesConfig.k must be an integer >= 1, got {self.k!r}")
+        if not self.halflife_rounds > 0:
+            raise ValueError(f"EstimatesConfig.halflife_rounds must be > 0, got {self.halflife_rounds!r}")
+        if not 0.0 <= self.prior_p_hit <= 1.0:
+            raise ValueError(f"EstimatesConfig.prior_p_hit must be in [0, 1], got {self.prior_p_hit!r}")
+        if set(self.prior_accept) != set(SPECULATORS) or not all(0 <= v <= 1 for v in self.prior_accept.values()):
+            raise ValueError(f"EstimatesConfig.prior_accept needs {SPECULATORS} in [0, 1], got {self.prior_accept!r}")
+        if not self.prior_weight > 0:
+            raise ValueError(f"EstimatesConfig.prior_weight must be > 0, got {self.prior_weight!r}")
+        needed = {"primary", "overhead", "decode"} | set(SPECULATORS)
+        if set(self.prior_time_units) != needed or not all(v >= 0 for v in self.prior_time_units.values()):
+            raise ValueError(f"EstimatesConfig.prior_time_units needs keys {sorted(needed)} >= 0")
+        object.__setattr__(self, "prior_accept", dict(self.prior_accept))
+        object.__setattr__(self, "prior_time_units", dict(self.prior_time_units))
+
+
+class _Ratio:
+    """Exponentially weighted num / den, starting from a prior worth `weight` denominator units."""
+
+    def __init__(self, prior: float, weight: float, decay: float):
+        self.num, self.den, self.decay = prior * weight, weight, decay
+
+    def add(self, num: float, den: float) -> None:
+        self.num = self.decay * self.num + num
+        self.den = self.decay * self.den + den
+
+    @property
+    def value(self) -> float:
+        return self.num / self.den
+
+
+class _Mean(_Ratio):
+    """Exponentially weighted mean of the values seen: a `_Ratio` with no prior and one denominator
+    unit per value (normalised: the first value is not held at full weight, so one slow warm-up round
+    fades as soon as steady ones arrive). None before the first value."""
+
+    def __init__(self, decay: float):
+        super().__init__(0.0, 0.0, decay)
+
+    def add(self, x: float) -> None:
+        super().add(x, 1.0)
+
+    @property
+    def value(self) -> float | None:
+        return self.num / self.den if self.den else None
+
+
+class _RecentMedian:
+    """Median of the last `size` values: for AR's decode time, measured by rare one-step calibrations
+    (and by AR rounds), where one outlier (a first, cold forward) must not set the estimate."""
+
+    def __init__(self, size: int):
+        self.values: list[float] = []
+        self.size = size
+
+    def add(self, x: float) -> None:
+        self.values = (self.values + [x])[-self.size:]
+
+    @property
+    def value(self) -> float | None:
+        if not self.values:
+            return None
+        ordered = sorted(self.values)
+        n = len(ordered)
+        return ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
+
+
+class _BatchTimes:
+    """A time per round as a function of the batch size b: one estimator (`make()`) per b seen, and for
+    a b not seen, a line t = alpha + beta*b fitted to the others (least squares over their estimates,
+    weighted by how often each was measured; alpha, beta >= 0: a forward costs a fixed weight read plus
+    work per sequence). The slope is shrunk towards the prior shape t ∝ b + B0 through the data's mean
+    (B0 = BATCH_PRIOR sequences cost what the weight read costs) with the weight of a spread of B0 in b:
+    with one b seen, or sizes close together (16 and 15 at the end of a generation, whose slope is
+    noise), t(b) = t(b0) * (b + B0) / (b0 + B0); sizes spread widely set the slope themselves. The
+    batch shrinks at the end of a generation and grows as rollouts are admitted; a time measured at 16
+    sequences says little about 3 otherwise."""
+
+    BATCH_PRIOR = 4.0
+
+    def __init__(self, make):
+        self.make = make
+        self.by_batch: dict[int, object] = {}
+        self.counts: dict[int, int] = {}
+
+    def add(self, batch: int, seconds: float) -> None:
+        if batch not in self.by_batch:
+            self.by_batch[batch], self.counts[batch] = self.make(), 0
+        self.by_batch[batch].add(seconds)
+        self.counts[batch] += 1
+
+    def value(self, batch: int) -> float | None:
+        if batch in self.by_batch:
+            return self.by_batch[batch].value
+        if not self.by_batch:
+            return None
+        points = [(b, est.value, self.counts[b]) for b, est in self.by_batch.items()]
+        w = sum(n for _, _, n in points)
+        mb = sum(n * b for b, _, n in points) / w
+        mt = sum(n * t for _, t, n in points) / w
+        sxx = sum(n * (b - mb) ** 2 for b, _, n in points)
+        sxy = sum(n * (b - mb) * (t - mt) for b, t, n in points)
+        prior_slope, prior_weight = mt / (mb + self.BATCH_PRIOR), w * self.BATCH_PRIOR**2
+        beta = max(0.0, (sxy + prior_weight * prior_slope) / (sxx + prior_weight))
+        alpha = mt - beta * mb
+        if alpha < 0:  # through the origin instead: t = beta * b
+            alpha, beta = 0.0, sum(n * b * t for b, t, n in points) / sum(n * b * b for b, _, n in points)
+        return alpha + beta * batch
+
+
+class LiveEstimates:
+    """Per-round counters in, `StrategyInputs` out.
+
+    Every estimate is a ratio of exponentially weighted sums (each `observe_*` call first decays the
+    sums it updates by 0.5^(1/halflife_rounds), so the half-life counts calls: one per round and path),
+    so busy rounds weigh more than quiet ones and old rounds fade: in RL the policy moves every step
+    and hit rate and acceptance drift with it. Priors enter as pseudo-counts that fade the same way.
+    Paths: "hit" = chain from the speculation cache (drafted by the draft model); "draft",
+    "suffix", "random" = chain from that speculator on demand.
+    Times are per batch size (`_BatchTimes`): normalised exponentially weighted means of the
+    measurements (a prior time is used until the first one); AR's decode time, measured rarely, is the
+    median of its last DECODE_WINDOW values.
+    """
+
+    DECODE_WINDOW = 15
+
+    PATHS = ("hit",) + SPECULATORS
+    TIMES = ("verify", "primary", "overhead", "decode") + SPECULATORS
+
+    def __init__(self, config: EstimatesConfig):
+        self.config = config
+        d = 0.5 ** (1.0 / config.halflife_rounds)
+        w = config.prior_weight
+        self._hit = _Ratio(config.prior_p_hit, w, d)
+        a = config.prior_accept
+        self._accept = {s: _Ratio(a[s], w, d) for s in SPECULATORS}
+        e = tokens_from_acceptance(a, config.k)
+        self._tokens = {path: _Ratio(e[path], w, d) for path in self.PATHS}
+        self._times = {name: _BatchTimes((lambda: _RecentMedian(self.DECODE_WINDOW)) if name == "decode"
+                                         else (lambda: _Mean(d)))
+                       for name in self.TIMES}
+
+    def observe_cache(self, hits: int, misses: int) -> None:
+        """Sequences whose verdict was found in the speculation cache this round, and those that were not."""
+        if hits < 0 or misses < 0:
+            raise ValueError(f"hits and misses must be >= 0, got {hits}, {misses}")
+        self._hit.add(hits, hits + misses)
+
+    def observe_round(self, path: str, sequences: int, accepted: int, judged: int, emitted: int) -> None:
+        """One round's verification results for the sequences whose chain came by `path`."""
+        if path not in self.PATHS:
+            raise ValueError(f"unknown path {path!r}; known: {self.PATHS}")
+        if not (0 <= accepted <= judged and sequences >= 0 and emitted >= 0):
+            raise ValueError(
+                f"bad counts: sequences={sequences}, accepted={accepted}, judged={judged}, emitted={emitted}"
+            )
+        if sequences == 0:
+            return
+        kind = "draft" if path == "hit" else path
+        self._accept[kind].add(accepted, judged)
+        self._tokens[path].add(emitted, sequences)
+
+    def observe_time(self, name: str, seconds: float, batch: int) -> None:
+        """A measured time per round of a batch of `batch` sequences: "verify", "primary" (T_p),
+        "overhead" (T_o), "decode" (one AR step), or a speculator name (the target's wait for K tokens
+        drafted with it: T_SD for "draft", T_b for backups)."""
+        if name not in self.TIMES:
+            raise ValueError(f"unknown time {name!r}; known: {self.TIMES}")
+        if not seconds >= 0:
+            raise ValueError(f"time must be >= 0, got {seconds!r}")
+        if not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
+        self._times[name].add(batch, seconds)
+
+    @property
+    def p_hit(self) -> float:
+        return self._hit.value
+
+    def accept_rate(self, speculator: str) -> float:
+        return self._accept[speculator].value
+
+    def tokens_per_round(self, path: str) -> float:
+        return self._tokens[path].value
+
+    def seconds(self, name: str, batch: int) -> float:
+        """A time estimate at `batch` sequences; before any measurement of it: its prior in verify units
+        times the verify time."""
+        t = self._times[name].value(batch)
+        if t is not None:
+            return t
+        verify = None if name == "verify" else self._times["verify"].value(batch)
+        if verify is None:
+            raise ValueError(f"no measurement of {name!r} nor of the verify time yet")
+        return self.config.prior_time_units[name] * verify
+
+    def inputs(self, batch_size: int) -> StrategyInputs:
+        k = self.config.k
+        return StrategyInputs(
+            p_hit=self.p_hit,
+            tokens={path: min(max(self.tokens_per_round(path), 1.0), k + 1.0) for path in self.PATHS},
+            draft_seconds={s: self.seconds(s, batch_size) for s in SPECULATORS},
+            primary_seconds=self.seconds("primary", batch_size),
+            overhead_seconds=self.seconds("overhead", batch_size),
+            verify_seconds=self.seconds("verify", batch_size),
+            decode_seconds=self.seconds("decode", batch_size),
+            batch_size=batch_size,
+            k=k,
+        )

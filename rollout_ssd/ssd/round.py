@@ -1,0 +1,199 @@
+"""SSDDecode: speculative speculative decoding as a decode strategy (THEORY.md §2).
+
+Round n for a batch, target side (`SSDDecode.step`, one call each):
+  1. tell the draft side each sequence's verdict of round n-1 (k, t*) and get the chain for round n:
+     HIT (pre-drafted in the speculation cache), DRAFTED (the draft model on demand: the "neural"
+     backup, and every sequence's first, cold round) or MISS (a fast backup speculator, suffix or
+     random, covers it);
+  2. send the chains to the draft side, which builds the next cache from them (glue forward + branch
+     tree, ssd/tree.py); in the worker process this runs WHILE the target does step 3;
+  3. verify: one target forward over [last token, chain] per sequence and `verify` with the exact q
+     each chain was drawn from (a MixedDraft: dense q for draft-model chains, point masses for fast ones);
+  4. append, roll the target KV back (decode.finish_round); the verdict is remembered for step 1 of
+     round n+1.
+Every chain is an ordinary SD proposal verified against its own q, so the output law is the target's on
+every path (hit, miss, fallback). Greedy: hits and misses give the same tokens as AR.
+
+Pieces, each owning its state: the draft side (ssd/draft_side.py: worker client, failover, the sequence
+mirror, draft weights), the chooser (ssd/chooser.py: the plan of each round, from the strategy rule) and
+the telemetry (ssd/telemetry.py: estimates, planner, stats, trace). Rounds whose plan skips the draft side
+leave it behind; it catches up from the committed tokens (SYNC) the next time it is used.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from rollout_ssd.decode import DecodeStrategy, RoundOutcome, ar_verdict, chain_lengths, finish_round, verify_round
+from rollout_ssd.metrics import EngineMetrics
+from rollout_ssd.models.decoder import Decoder
+from rollout_ssd.runner import ModelRunner
+from rollout_ssd.sequence import Sequence
+from rollout_ssd.spec.speculator import Speculator
+from rollout_ssd.spec.verify import DenseDraft, DraftDistribution, MixedDraft, SparseDraft, VerifyResult
+from rollout_ssd.ssd.chooser import Chooser, Plan
+from rollout_ssd.ssd.config import SSDConfig
+from rollout_ssd.ssd.draft_side import Chains, DraftSide
+from rollout_ssd.ssd.estimates import EstimatesConfig, LiveEstimates
+from rollout_ssd.ssd.fanout import FanoutConfig, FanoutPlan, FanoutPlanner
+from rollout_ssd.ssd.telemetry import RoundTelemetry, RoundTimes
+
+
+class SSDDecode(DecodeStrategy):
+    def __init__(self, runner: ModelRunner, draft_model: Decoder, config: SSDConfig, stats: EngineMetrics,
+                 backup: Optional[Speculator] = None, max_model_len: Optional[int] = None):
+        if draft_model.cfg.vocab_size != runner.model.cfg.vocab_size:
+            raise ValueError(f"draft vocab_size {draft_model.cfg.vocab_size} differs from the target's "
+                             f"{runner.model.cfg.vocab_size}")
+        if config.backup != "neural" and backup is None:
+            raise ValueError(f"SSDConfig.backup={config.backup!r} needs its speculator (backup=...)")
+        self.runner = runner
+        self.config = config
+        self.k = config.k
+        self.stats = stats
+        self.backup = backup
+        initial = config.budget or min(config.max_budget, 2 * (config.k + 1))
+        self.planner = FanoutPlanner(FanoutConfig(k=config.k, manual=config.fanout, budget=config.budget,
+                                                  max_budget=config.max_budget, initial_budget=initial))
+        estimates = LiveEstimates(EstimatesConfig(k=config.k))
+        fast = config.backup if backup is not None and config.backup in ("suffix", "random") else None
+        self.chooser = Chooser(config, estimates, stats, backup=fast)
+        self.telemetry = RoundTelemetry(estimates, self.planner, stats, None if backup is None else backup.name)
+        self.draft = DraftSide(draft_model, runner.model.hf_parameters(), config, stats,
+                               runner.cache.num_slots, max_model_len or runner.max_len)
+
+    # ------------------------------------------------------------------ one round
+    def step(self, running: list[Sequence]) -> int:
+        """One round: its plan, THEORY.md §2's four steps (module docstring), then its counts."""
+        t0 = time.perf_counter()
+        fanout = self.planner.plan()
+        plan = self.chooser.choose(len(running), fallback=self.draft.fallback)
+        ks = chain_lengths(running, self.k)
+        # 1. the last verdicts out, this round's chains in (the cache, the draft on demand, a fast backup)
+        rnd = self._propose(running, ks, plan, fanout)
+        calibration = self.chooser.calibrate(self.runner, running, rnd.cold) if plan is not Plan.AR else 0.0
+        # 2. the chains to the draft side, which builds the next cache from them (a worker: during step 3)
+        told = rnd.reply is not None and self.draft.build(running, rnd.chains, ks, plan.is_ssd, fanout.fanout)
+        t2 = time.perf_counter()
+        # 3. each chain verified against its own q (an AR round: the AR engine's step)
+        result = self._verify(running, rnd, plan)
+        t3 = time.perf_counter()
+        # 4. append, roll back; the verdicts go out in the next round's step 1
+        outcome = finish_round(self.runner, running, result)
+        self.draft.remember(running, rnd.chains, told, result)
+        if self.backup is not None:
+            self.backup.on_verified(running, outcome.accepted)
+        t4 = time.perf_counter()
+        self._count(plan, fanout, rnd, ks, outcome, draft_seconds=(t2 - t0 - calibration) + (t4 - t3),
+                    verify_seconds=t3 - t2)
+        self.telemetry.record(plan, fanout, rnd, outcome.emitted,
+                              RoundTimes(time.perf_counter() - t0, t3 - t2, calibration))
+        return outcome.emitted
+
+    def _propose(self, running: list[Sequence], ks: list[int], plan: Plan, fanout: FanoutPlan) -> Chains:
+        """Chains from the draft side where the plan asks it, then the fast backup where it gave none."""
+        first = [self.draft.is_first_round(s) for s in running]
+        rnd = Chains.empty(first)
+        need_backup = list(range(len(running))) if plan is Plan.SUFFIX else []
+        if plan.asks_draft_side and self.draft.client is not None:
+            if self.draft.request_chains(running, ks, plan.drafts_on_miss, fanout.fanout, rnd):
+                need_backup = self.draft.missed(rnd, ks)
+            else:  # the draft side failed: nothing it sent is used, every row verifies an empty chain
+                rnd, need_backup = Chains.empty(first), []
+        if need_backup and self.backup is not None and plan.uses_backup:
+            t0 = time.perf_counter()
+            prop = self.backup.propose([running[i] for i in need_backup], [ks[i] for i in need_backup])
+            rnd.backup_seconds = time.perf_counter() - t0
+            for j, i in enumerate(need_backup):
+                rnd.chains[i] = list(prop.tokens[j])[: ks[i]]
+                rnd.q[i] = _row_of(prop.q, j)
+                rnd.paths[i] = self.backup.name if rnd.chains[i] else "none"
+        return rnd
+
+    def _verify(self, running: list[Sequence], rnd: Chains, plan: Plan) -> VerifyResult:
+        """An AR round is the AR engine's decode step; otherwise each chain against its own q."""
+        if plan is Plan.AR:
+            return ar_verdict(self.runner, running)
+        return self.verify_round(running, rnd.chains, MixedDraft(rnd.q))
+
+    def verify_round(self, seqs: list[Sequence], chains: list[list[int]], q: DraftDistribution) -> VerifyResult:
+        return verify_round(self.runner, seqs, chains, q)
+
+    def _count(self, plan: Plan, fanout: FanoutPlan, rnd: Chains, ks: list[int], outcome: RoundOutcome,
+               draft_seconds: float, verify_seconds: float) -> None:
+        self.stats.add_spec_round(
+            proposed=[len(c) for c in rnd.chains], accepted=outcome.accepted, rejected=outcome.rejected,
+            emitted=outcome.emitted, draft_seconds=draft_seconds, verify_seconds=verify_seconds,
+        )
+        self.chooser.count_round(plan, rnd.cold)
+        self.telemetry.observe(plan, fanout, rnd, ks, outcome, verify_seconds)
+
+    # ------------------------------------------------------------------ lifecycle
+    def before_prefill(self, seqs: list[Sequence]) -> None:
+        """Admit to the draft side before the target prefills, so the worker's prefill overlaps the
+        target's (an engine hook; without it `on_admit` does the same after the target's prefill)."""
+        self.on_admit(seqs)
+
+    def on_admit(self, seqs: list[Sequence]) -> None:
+        new = self.draft.admit(seqs)
+        if new and self.backup is not None:
+            self.backup.on_admit(new)
+
+    def on_release(self, seq: Sequence) -> None:
+        self.draft.release(seq)
+        if self.backup is not None:
+            self.backup.on_release(seq)
+
+    def close(self) -> None:
+        self.draft.close()
+        if self.backup is not None:
+            self.backup.close()
+
+    # ------------------------------------------------------------------ draft weights (between rounds)
+    def draft_parameters(self) -> dict[str, torch.Tensor]:
+        """The target side's copy of the draft, by HF name (what updates are validated against)."""
+        return self.draft.draft_model.hf_parameters()
+
+    def apply_draft_update(self, update, params: dict[str, torch.Tensor], names: tuple[str, ...]) -> None:
+        self.draft.apply_draft_update(update, params, names)
+
+    def on_weights_changed(self) -> None:
+        self.draft.on_weights_changed()
+
+    def draft_digest(self) -> int:
+        """weights_digest of the weights the draft side holds now (asked of the worker itself)."""
+        return self.draft.digest()
+
+    # ------------------------------------------------------------------ what tests and benches read
+    @property
+    def client(self):
+        return self.draft.client
+
+    @property
+    def draft_model(self) -> Decoder:
+        return self.draft.draft_model
+
+    @property
+    def trace(self) -> Optional[list[dict]]:
+        """Set to a list to get a record of each round (bench/trace_rule.py)."""
+        return self.telemetry.trace
+
+    @trace.setter
+    def trace(self, value: Optional[list[dict]]) -> None:
+        self.telemetry.trace = value
+
+
+def _row_of(dist: DraftDistribution, i: int) -> DraftDistribution:
+    """Row i of a batch draft law, as a single-row (or any-row) law for MixedDraft."""
+    if dist.num_rows is None:
+        return dist
+    if isinstance(dist, DenseDraft):
+        return DenseDraft(dist.probs[i: i + 1])
+    if isinstance(dist, SparseDraft):
+        return SparseDraft(dist.indices[i: i + 1], dist.probs[i: i + 1])
+    if isinstance(dist, MixedDraft):
+        return dist.rows[i]
+    raise TypeError(f"cannot take a row of {type(dist).__name__}")
