@@ -24,7 +24,7 @@ from rollout_ssd.ssd.draft_server import DraftServer, weights_digest
 from rollout_ssd.ssd.messages import UpdateDraftWeights
 from rollout_ssd.weight_sync import InProcessTransport, LearnerSync, Packet, SenderConfig, WeightReceiver
 from rollout_ssd.weight_sync.codec import encode_tensor, pack
-from tests.test_ssd_helpers import tiny_pair
+from tests.support.models import tiny_pair
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14]]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)

@@ -20,7 +20,8 @@ import torch
 from rollout_ssd.models.config import rope_inv_freq
 from rollout_ssd.models.loader import build_decoder, load_pretrained
 from rollout_ssd.runner import ModelRunner
-from tests.tiny_models import FAMILIES, build_tiny, hf_default_model, hf_logits, rel_err
+from tests.support.hf_reference import hf_logits, rel_err
+from tests.support.models import FAMILIES, build_tiny
 
 TOL_F32 = 1e-5
 TOL_F32_DEFAULT = 1e-4
@@ -240,11 +241,6 @@ def test_multi_row_forwards_follow_in_place_weight_writes(tiny, tmp_path, reques
 # ---- the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ---------------------------------------
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village by the sea,"]
-
-
-@pytest.fixture(scope="module")
-def hf_default():
-    return hf_default_model()
 
 
 def test_default_state_dict_matches_transformers_gguf(default_model_f32, hf_default):

@@ -15,7 +15,8 @@ import pytest
 
 from rollout_ssd import SamplingParams
 from rollout_ssd.ssd.config import SSDConfig
-from tests.test_ssd_helpers import ar_engine, ssd_engine, tiny_pair
+from tests.support.models import tiny_pair
+from tests.test_ssd_helpers import ar_engine, ssd_engine
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [3, 3, 3, 3]]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=16, n=2, ignore_eos=True)
