@@ -212,6 +212,7 @@ def test_bad_call_shapes(tiny):
     assert len(engine.sample(GOOD_IDS, GOOD)) == 4
 
 
+@pytest.mark.slow
 def test_text_prompts(with_tokenizer):
     engine = _engine(with_tokenizer)
     with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):

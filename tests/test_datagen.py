@@ -118,6 +118,7 @@ def test_rows_do_not_depend_on_the_shard_size(setup, reference, tmp_path):
     assert max(abs(a - b) for r, q in zip(rows, ref) for a, b in zip(r["logprobs"], q["logprobs"])) < 1e-5
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_gives_the_uninterrupted_rows(setup, reference, tmp_path):
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "rollout_ssd.cli", "generate", "--input", setup["prompts"],

@@ -72,6 +72,7 @@ def test_greedy_matches_hf_generate_tiny(family, tmp_path):
         _assert_idle(engine)
 
 
+@pytest.mark.slow
 def test_greedy_matches_hf_generate_default(default_model_f32, hf_default):
     """SmolLM2, float32, 24 new tokens: two prompts alone (1 slot), then the same two mixed with a
     shorter one in 2 slots under max_model_len 30, so rows stop at different steps (24, 24 and 30 minus

@@ -243,6 +243,7 @@ def test_multi_row_forwards_follow_in_place_weight_writes(tiny, tmp_path, reques
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village by the sea,"]
 
 
+@pytest.mark.slow
 def test_default_state_dict_matches_transformers_gguf(default_model_f32, hf_default):
     """Our dequantized tensors equal transformers' (q/k rows un-permuted from llama.cpp's layout)."""
     ours = default_model_f32.model.hf_parameters()
@@ -260,6 +261,7 @@ def _default_batch(loaded):
     return [loaded.tokenizer(p).input_ids for p in PROMPTS]
 
 
+@pytest.mark.slow
 def test_default_fp32_logits_match_transformers_gguf(default_model_f32, hf_default):
     """Ragged prefill of three prompts (all positions), then two batched decode steps, float32."""
     prompts = _default_batch(default_model_f32)
@@ -278,6 +280,7 @@ def test_default_fp32_logits_match_transformers_gguf(default_model_f32, hf_defau
         assert rel_err(logits, ref) <= TOL_F32_DEFAULT, f"decode step {step}"
 
 
+@pytest.mark.slow
 def test_default_bf16_logits_within_bf16_rounding(default_model_f32, hf_default):
     """bfloat16 against the float32 reference (transformers, float32) and transformers' own bfloat16.
 

@@ -98,7 +98,7 @@ def test_sd_law_matches_target(tmp_path, speculator, temperature, top_p, top_k):
     token comes from the prefill, the next three from one SD round with K=2 drafted tokens).
     "-stop" cases end a chain after a token the draft drew with probability < 0.6 (SpecConfig.stop_prob),
     which here cuts many chains to one token (checked: fewer draft tokens per round than without).
-    Chi-square with cells of expected count < 5 pooled; alpha = 1e-4, so this test fails by
+    Chi-square with cells pooled as tests/support/stats.py says; alpha = 1e-4, so this test fails by
     chance with probability 1e-4 (seeds are fixed, so a given run is deterministic)."""
     stop_prob = 0.6 if speculator.endswith("-stop") else 0.0
     speculator = speculator.removesuffix("-stop")
