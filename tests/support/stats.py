@@ -8,9 +8,9 @@ degrees of freedom, so a correct sampler gets a p-value close to uniform on [0, 
 
 Before this module the suite had three variants of the rule; each pooled the same cells or fewer, so
 the pool could expect fewer than 5, where the statistic's tail is heavier than chi-square's and the
-test fails by chance more often than its alpha. Each test keeps its alpha, so its false-failure probability is at most
-what it was. The seeds are fixed, so a given run is deterministic: alpha is the probability that a
-fresh seed fails a correct sampler.
+test fails by chance more often than its alpha. Each test keeps its alpha, so its false-failure
+probability is at most what it was. The seeds are fixed, so a given run is deterministic: alpha is
+the probability that a fresh seed fails a correct sampler.
 """
 
 from __future__ import annotations
