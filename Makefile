@@ -1,7 +1,10 @@
-# The two set-up commands (README): `make run` and `make test`. Both create or reuse .venv.
+# The set-up commands (README): `make run`, `make test` and `make test-fast`. All create or reuse .venv.
+# `make test` is what CI runs (.ci/run): ruff, then the whole suite with its 15 slowest tests listed.
+# `make test-fast` leaves out the tests marked `slow` (SmolLM2, worker and server processes, Ray, gloo).
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+LINTED := rollout_ssd tests bench recipes
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -12,14 +15,20 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps 'trl>=1.16'
 	touch $(STAMP)
 
-.PHONY: install run test bench
+.PHONY: install run lint test test-fast bench
 install: $(STAMP)
 
 run: $(STAMP)
 	$(VENV)/bin/rollout-ssd demo
 
-test: $(STAMP)
-	$(PY) -m pytest -q
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINTED)
+
+test: lint
+	$(PY) -m pytest -q --durations=15
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" --durations=15
 
 bench: $(STAMP)
 	$(PY) bench/bench_ar.py

@@ -1,5 +1,10 @@
 """Shared fixtures. Tests run on CPU with one intra-op thread: deterministic and robust on a busy
-2-core machine (oversubscribed OpenMP threads slow small matmuls by several times)."""
+2-core machine (oversubscribed OpenMP threads slow small matmuls by several times).
+
+Helpers (tiny checkpoints, transformers references, exact laws, the chi-square test) are plain
+functions in tests/support/; fixtures shared by several test files live here. Tests marked `slow`
+(the SmolLM2 model, worker and server processes, Ray, gloo) are left out by `make test-fast`.
+"""
 
 import os
 
@@ -25,3 +30,12 @@ def default_model_f32():
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return load_pretrained("smollm2-135m-instruct", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def hf_default():
+    """transformers' own GGUF loading of SmolLM2 (float32, eval), the reference for default_model_f32.
+    Shared: a test that changes it works on a copy."""
+    from tests.support.hf_reference import hf_default_model
+
+    return hf_default_model()

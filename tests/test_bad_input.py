@@ -11,9 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig
-from rollout_ssd.models.loader import gguf_tokenizer, load_pretrained
-from rollout_ssd.models.registry import resolve_builtin
-from tests.tiny_models import build_tiny
+from rollout_ssd.models.loader import load_pretrained
+from tests.support.models import build_tiny
 
 MAX_LEN = 32
 GOOD = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3)
@@ -36,8 +35,7 @@ def tiny(tiny_dir):
 def with_tokenizer(tmp_path_factory):
     """A tiny Llama over SmolLM2's vocabulary (49152) with SmolLM2's tokenizer saved beside it."""
     path = tmp_path_factory.mktemp("tiny-tokenizer")
-    build_tiny(path, "llama-gqa-untied", seed=6, vocab_size=49152)
-    gguf_tokenizer(resolve_builtin("smollm2-135m-instruct")).save_pretrained(str(path))
+    build_tiny(path, "llama-gqa-untied", seed=6, vocab_size=49152, tokenizer="smollm2")
     loaded = load_pretrained(str(path), dtype="float32")
     assert loaded.tokenizer is not None
     return loaded
@@ -214,6 +212,7 @@ def test_bad_call_shapes(tiny):
     assert len(engine.sample(GOOD_IDS, GOOD)) == 4
 
 
+@pytest.mark.slow
 def test_text_prompts(with_tokenizer):
     engine = _engine(with_tokenizer)
     with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):

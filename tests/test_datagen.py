@@ -15,7 +15,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 datasets = pytest.importorskip("datasets")
 
@@ -28,27 +27,10 @@ from rollout_ssd.datagen import (  # noqa: E402
     read_manifest,
 )
 from rollout_ssd.prompt_files import load_prompts  # noqa: E402
+from tests.support.models import build_tiny  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_PROMPTS = 12
-
-
-def _tiny_model(directory: Path, with_tokenizer: bool) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=128, eos_token_id=None, bos_token_id=None)
-    LlamaForCausalLM(cfg).save_pretrained(directory)
-    if with_tokenizer:
-        words = ["[UNK]"] + [f"w{i}" for i in range(1, 48)]
-        tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-        tok.pre_tokenizer = pre_tokenizers.Whitespace()
-        fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
-        fast.chat_template = "{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}"
-        fast.save_pretrained(directory)
-    return directory
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +41,9 @@ def setup(tmp_path_factory):
         for i in range(NUM_PROMPTS):
             ids = [3 + i, 5 + (i % 7), 7] + [9] * (i % 3)
             f.write(json.dumps({"prompt": " ".join(f"w{t}" for t in ids), "prompt_token_ids": ids}) + "\n")
-    return {"model": str(_tiny_model(tmp / "tiny", True)), "bare": str(_tiny_model(tmp / "bare", False)),
+    for name, tokenizer in (("tiny", "words"), ("bare", None)):  # V = 48; "tiny" with a word-level tokenizer
+        build_tiny(tmp / name, init="transformers", tokenizer=tokenizer, vocab_size=48, intermediate_size=64)
+    return {"model": str(tmp / "tiny"), "bare": str(tmp / "bare"),
             "prompts": str(prompts), "tmp": tmp}
 
 
@@ -134,6 +118,7 @@ def test_rows_do_not_depend_on_the_shard_size(setup, reference, tmp_path):
     assert max(abs(a - b) for r, q in zip(rows, ref) for a, b in zip(r["logprobs"], q["logprobs"])) < 1e-5
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_gives_the_uninterrupted_rows(setup, reference, tmp_path):
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "rollout_ssd.cli", "generate", "--input", setup["prompts"],

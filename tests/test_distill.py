@@ -8,21 +8,15 @@ import torch
 
 from rollout_ssd.draft import acceptance, build, checkpoint, loss, on_policy, prompts, teacher, train
 from rollout_ssd.models.loader import load_pretrained
+from tests.support.models import build_tiny
 
 
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # a peakier random model, so the KL has something to learn
-        model.lm_head.weight.mul_(8.0)
     path = tmp_path_factory.mktemp("tiny_target")
-    model.save_pretrained(path)
+    # a peakier random model (head, and so the tied embedding, x 8), so the KL has something to learn
+    build_tiny(path, init="transformers", logit_scale=8.0, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+               max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
     return load_pretrained(str(path), dtype="float32", with_tokenizer=False)
 
 

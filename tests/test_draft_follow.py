@@ -24,7 +24,7 @@ from rollout_ssd.ssd.draft_server import DraftServer, weights_digest
 from rollout_ssd.ssd.messages import UpdateDraftWeights
 from rollout_ssd.weight_sync import InProcessTransport, LearnerSync, Packet, SenderConfig, WeightReceiver
 from rollout_ssd.weight_sync.codec import encode_tensor, pack
-from tests.test_ssd_helpers import tiny_pair
+from tests.support.models import tiny_pair
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14]]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
@@ -89,7 +89,7 @@ def _draft_params(engine):
     return holder.draft_parameters()
 
 
-@pytest.mark.parametrize("mode", list(SPECS))
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) if m == "ssd-worker" else m for m in SPECS])
 def test_twenty_updates_through_learner_sync_bitwise_and_greedy_equals_ar(pair_dir, mode):
     engine = _engine(pair_dir, mode)
     learner_target, learner_draft = _load(pair_dir)
@@ -138,7 +138,7 @@ def _assert_draft_state_dropped(engine, mode):
         assert server.seqs and all(st.base == 0 and server.runner.length(st.slot) == 0 for st in server.seqs.values())
 
 
-@pytest.mark.parametrize("mode", list(SPECS))
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) if m == "ssd-worker" else m for m in SPECS])
 def test_draft_update_mid_sample_applies_between_rounds_and_stays_exact(pair_dir, mode):
     """A draft update issued from inside round 3 is applied before round 4, to live sequences: their draft
     KV and cached chains are dropped and rebuilt, and the greedy tokens stay AR's."""
@@ -260,6 +260,7 @@ def test_draft_weight_messages_roundtrip_and_refuse_malformed_payloads():
             UpdateDraftWeights.decode(bad, None)
 
 
+@pytest.mark.slow
 def test_worker_rejecting_an_update_falls_back_and_keeps_serving(pair_dir, monkeypatch):
     """A transfer corrupted on its way to the worker is refused there; the target side treats it as a
     worker failure and finishes with its own (updated) in-process draft: still exactly AR."""
@@ -375,6 +376,7 @@ def _engine_process(store: str, pair_dir: str, out: str, versions: int):
     os._exit(0)  # the receiver threads are still blocked on their groups: nothing left to tear down
 
 
+@pytest.mark.slow
 def test_learner_sync_over_gloo_reaches_an_engine_in_another_process(pair_dir, tmp_path):
     import json
 

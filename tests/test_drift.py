@@ -15,7 +15,7 @@ from rollout_ssd.draft.build import make_draft
 from rollout_ssd.draft.drift import DriftLog, kl_target_draft, token_mult_prob_error
 from rollout_ssd.models.loader import load_pretrained
 from rollout_ssd.weight_sync import TransferStats
-from tests.test_ssd_helpers import tiny_pair
+from tests.support.models import tiny_pair
 
 PAIRS = [([1, 2, 3], [4, 5, 6, 7]), ([9], [10, 11]), ([12, 13], []), ([20, 21, 22, 23], [24])]
 

@@ -9,13 +9,14 @@ sequences finish at different steps (so continuous batching admits waiting ones 
 from __future__ import annotations
 
 import pytest
-import scipy.stats
 import torch
 
 from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig
 from rollout_ssd.models.loader import load_pretrained
-from rollout_ssd.sampling import target_probs
-from tests.tiny_models import FAMILIES, build_tiny, hf_default_model, hf_greedy, hf_logits
+from tests.support.hf_reference import hf_greedy, hf_logits
+from tests.support.laws import exact_law, hf_next_logits
+from tests.support.models import FAMILIES, build_tiny
+from tests.support.stats import assert_fits
 
 
 def _engine(loaded, max_batch_size: int = 8, max_model_len=None) -> RolloutEngine:
@@ -71,11 +72,7 @@ def test_greedy_matches_hf_generate_tiny(family, tmp_path):
         _assert_idle(engine)
 
 
-@pytest.fixture(scope="module")
-def hf_default():
-    return hf_default_model()
-
-
+@pytest.mark.slow
 def test_greedy_matches_hf_generate_default(default_model_f32, hf_default):
     """SmolLM2, float32, 24 new tokens: two prompts alone (1 slot), then the same two mixed with a
     shorter one in 2 slots under max_model_len 30, so rows stop at different steps (24, 24 and 30 minus
@@ -150,40 +147,6 @@ def small_vocab(tmp_path_factory):
     return hf, load_pretrained(str(path), dtype="float32")
 
 
-@torch.no_grad()
-def _exact_law(hf, prompt, temperature, top_k, top_p) -> torch.Tensor:
-    """P(path) for every LAW_STEPS-token continuation, by enumeration: the product of target_probs of
-    transformers' logits along the path. Index of (t1, t2, t3) = t1 V^2 + t2 V + t3. [V^LAW_STEPS]"""
-    paths, law = [[]], torch.ones(1, dtype=torch.float64)
-    for _ in range(LAW_STEPS):
-        logits = hf(torch.tensor([prompt + p for p in paths])).logits[:, -1].float()
-        n = len(paths)
-        q = target_probs(logits, torch.full((n,), temperature), torch.full((n,), top_k), torch.full((n,), top_p))
-        law = (law[:, None] * q.double()).reshape(-1)
-        paths = [p + [t] for p in paths for t in range(LAW_VOCAB)]
-    return law
-
-
-def _chi_square_pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:
-    """Pearson chi-square of counts against law; cells expecting < 5 are pooled into one (with the
-    smallest remaining cell if the pool still expects < 5). Zero-probability cells are left out."""
-    total = int(counts.sum())
-    expected = law * total
-    order = torch.argsort(expected)
-    small = (expected < 5)[order]
-    pool = order[small].tolist()
-    rest = order[~small].tolist()
-    if pool and float(expected[pool].sum()) < 5:
-        pool.append(rest.pop(0))
-    f_obs = [float(c) for c in counts[rest]]
-    f_exp = [float(e) for e in expected[rest]]
-    if pool:
-        f_obs.append(float(counts[pool].sum()))
-        f_exp.append(float(expected[pool].sum()))
-    norm = total / sum(f_exp)  # exact sums for scipy
-    return float(scipy.stats.chisquare(f_obs, [e * norm for e in f_exp]).pvalue)
-
-
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 0.9), (0.7, 3, 1.0)])
 def test_sampled_law_matches_enumeration(small_vocab, temperature, top_k, top_p):
     """The empirical law of 3-token continuations (two prompts of different lengths in one batch,
@@ -203,12 +166,11 @@ def test_sampled_law_matches_enumeration(small_vocab, temperature, top_k, top_p)
             counts[r.prompt_index, (t1 * LAW_VOCAB + t2) * LAW_VOCAB + t3] += 1
     _assert_idle(engine)
     for i, prompt in enumerate(prompts):
-        law = _exact_law(hf, prompt, temperature, top_k, top_p)
-        untruncated = _exact_law(hf, prompt, temperature, 0, 1.0)
+        law = exact_law(hf_next_logits(hf), prompt, LAW_STEPS, LAW_VOCAB, temperature, top_k, top_p).flatten()
+        untruncated = exact_law(hf_next_logits(hf), prompt, LAW_STEPS, LAW_VOCAB, temperature).flatten()
         assert float(untruncated[law == 0].sum()) > 0.01, "truncation must cut real mass"
         assert int(counts[i][law == 0].sum()) == 0, f"prompt {i}: a zero-probability path was sampled"
-        pvalue = _chi_square_pvalue(counts[i], law)
-        assert pvalue > 1e-4, f"prompt {i}: chi-square p = {pvalue:.2e}"
+        assert_fits(counts[i], law, alpha=1e-4, what=f"prompt {i}: ")  # fails by chance w.p. 1e-4 per prompt
 
 
 # ---- seeds, logprobs, stopping, ordering --------------------------------------------------------

@@ -11,26 +11,18 @@ import time
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig
-from rollout_ssd.models.loader import load_pretrained
 from rollout_ssd.weight_sync import InProcessTransport, SenderConfig, WeightReceiver, WeightSender
+from tests.support.models import tiny_model
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14]]
 
 
 @pytest.fixture()
 def setup(tmp_path):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=128, eos_token_id=None, bos_token_id=None)
-    hf = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(8.0)
-    hf.save_pretrained(tmp_path / "m")
-    loaded = load_pretrained(str(tmp_path / "m"), dtype="float32")
-    return hf, loaded
+    return tiny_model(tmp_path / "m", init="transformers", logit_scale=8.0, vocab_size=40, intermediate_size=64)
 
 
 def _perturb(hf, scale, seed):

@@ -27,6 +27,7 @@ from rollout_ssd import RolloutEngine, SamplingParams, SpecConfig  # noqa: E402
 from rollout_ssd.integrations.trl import group_runs, make_rollout_func, sampling_params, sync_weights  # noqa: E402
 from rollout_ssd.rl.tasks import ALPHABET, DIGIT_PROMPTS  # noqa: E402
 from rollout_ssd.rl.tiny import TinyConfig, build_tiny_pair  # noqa: E402
+from tests.support.models import build_tiny  # noqa: E402
 
 # A chat template over the tiny alphabet's characters; `greet` exercises chat_template_kwargs.
 CHAT_TEMPLATE = ("{% if greet %}hi {% endif %}{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }} "
@@ -222,18 +223,10 @@ def test_sync_refuses_peft_and_sharded_models(tiny_pair, tokenizer):
 
 
 def test_sync_reconciles_tied_lm_heads(tmp_path, tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    def build(tied):
-        torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                          tie_word_embeddings=tied, bos_token_id=None, eos_token_id=tokenizer.eos_token_id)
-        return LlamaForCausalLM(cfg).float()
-
-    tied, untied = build(True), build(False)
-    tied.save_pretrained(tmp_path / "tied")
-    untied.save_pretrained(tmp_path / "untied")
+    kwargs = dict(init="transformers", seed=0, vocab_size=len(tokenizer), intermediate_size=64, num_hidden_layers=1,
+                  max_position_embeddings=64, eos_token_id=tokenizer.eos_token_id)
+    tied = build_tiny(tmp_path / "tied", tie_word_embeddings=True, **kwargs)
+    untied = build_tiny(tmp_path / "untied", tie_word_embeddings=False, **kwargs)
     with torch.no_grad():
         for p in list(tied.parameters()) + list(untied.parameters()):
             p.add_(0.01 * torch.randn_like(p))

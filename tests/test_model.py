@@ -20,7 +20,8 @@ import torch
 from rollout_ssd.models.config import rope_inv_freq
 from rollout_ssd.models.loader import build_decoder, load_pretrained
 from rollout_ssd.runner import ModelRunner
-from tests.tiny_models import FAMILIES, build_tiny, hf_default_model, hf_logits, rel_err
+from tests.support.hf_reference import hf_logits, rel_err
+from tests.support.models import FAMILIES, build_tiny
 
 TOL_F32 = 1e-5
 TOL_F32_DEFAULT = 1e-4
@@ -242,11 +243,7 @@ def test_multi_row_forwards_follow_in_place_weight_writes(tiny, tmp_path, reques
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village by the sea,"]
 
 
-@pytest.fixture(scope="module")
-def hf_default():
-    return hf_default_model()
-
-
+@pytest.mark.slow
 def test_default_state_dict_matches_transformers_gguf(default_model_f32, hf_default):
     """Our dequantized tensors equal transformers' (q/k rows un-permuted from llama.cpp's layout)."""
     ours = default_model_f32.model.hf_parameters()
@@ -264,6 +261,7 @@ def _default_batch(loaded):
     return [loaded.tokenizer(p).input_ids for p in PROMPTS]
 
 
+@pytest.mark.slow
 def test_default_fp32_logits_match_transformers_gguf(default_model_f32, hf_default):
     """Ragged prefill of three prompts (all positions), then two batched decode steps, float32."""
     prompts = _default_batch(default_model_f32)
@@ -282,6 +280,7 @@ def test_default_fp32_logits_match_transformers_gguf(default_model_f32, hf_defau
         assert rel_err(logits, ref) <= TOL_F32_DEFAULT, f"decode step {step}"
 
 
+@pytest.mark.slow
 def test_default_bf16_logits_within_bf16_rounding(default_model_f32, hf_default):
     """bfloat16 against the float32 reference (transformers, float32) and transformers' own bfloat16.
 

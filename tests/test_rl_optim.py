@@ -193,6 +193,7 @@ def _tensors(lists):
 
 @pytest.mark.parametrize("forward", ["trainer", "direct"])
 @pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.slow
 def test_deepspeed_matches_torch_exactly_without_clipping(single_rank_runs, stage, forward):
     ref, ref_metrics = single_rank_runs[("torch", NO_CLIP)]
     got, metrics = single_rank_runs[(stage, NO_CLIP, forward)]
@@ -205,6 +206,7 @@ def test_deepspeed_matches_torch_exactly_without_clipping(single_rank_runs, stag
 
 @pytest.mark.parametrize("forward", ["trainer", "direct"])
 @pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.slow
 def test_deepspeed_matches_torch_when_clipping(single_rank_runs, stage, forward):
     ref, ref_metrics = single_rank_runs[("torch", ACTIVE_CLIP)]
     got, metrics = single_rank_runs[(stage, ACTIVE_CLIP, forward)]
@@ -216,11 +218,13 @@ def test_deepspeed_matches_torch_when_clipping(single_rank_runs, stage, forward)
 
 
 @pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.slow
 def test_deepspeed_zero_grad_discards_like_torch(single_rank_runs, stage):
     for a, b in zip(_tensors(single_rank_runs["discard", stage]), _tensors(single_rank_runs["discard", "torch"])):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_zero2_refuses_to_discard_reduced_gradients(single_rank_runs):
     assert "ZeRO stage 2" in single_rank_runs["discard", 2]
 
@@ -292,6 +296,7 @@ def _world_child(rank, store, queue):
     _put_result(queue, rank, body)
 
 
+@pytest.mark.slow
 def test_deepspeed_never_involves_a_bystander_rank(tmp_path):
     store = str(tmp_path / "store")
     learner, bystander = _spawn(_world_child, [(0, store), (1, store)], 90)

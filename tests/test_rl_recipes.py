@@ -53,6 +53,7 @@ def _rows(path):
     # also holds the rollout actors (DeepSpeed's data-parallel group is the learner alone)
     ("ppo", ["--set", "learner.optim.deepspeed={zero_optimization: {stage: 2}}"]),
 ])
+@pytest.mark.slow
 def test_recipe_tiny_three_steps_over_ray(algorithm, extra, tmp_path, local_ray):
     recipe_main(algorithm, ["--tiny", "--no-progress", "--set", f"tracking.out_dir={tmp_path}",
                             "--set", "ray.rollout_actors=2", "--set", "follow.mode=follow", *extra])
@@ -246,6 +247,7 @@ def _listeners(pid: int) -> set[tuple[str, int]]:
 LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1 and ::1 as /proc/net/tcp writes them
 
 
+@pytest.mark.slow
 def test_weight_sync_group_listens_on_loopback_only(tmp_path):
     """The learner/rollout weight-sync group (gloo over a file rendezvous) opens no TCP listener
     beyond loopback (Ray's own servers are Ray's: token auth guards them)."""

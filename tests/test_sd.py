@@ -7,33 +7,26 @@ import dataclasses
 
 import pytest
 import torch
-from scipy.stats import chisquare
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig
-from rollout_ssd.models.loader import load_pretrained
-from rollout_ssd.sampling import target_probs
+from tests.support.laws import exact_law, hf_next_logits
+from tests.support.models import tiny_model
+from tests.support.stats import assert_fits
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [3, 3, 3, 3]]
 
 
-def _tiny(tmp_path, name, vocab, hidden, layers, seed, **kw):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      eos_token_id=None, bos_token_id=None, **kw)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # sharper logits than the default init, so greedy paths are not near-ties
-        model.lm_head.weight.mul_(8.0)
-    model.save_pretrained(tmp_path / name)
-    return load_pretrained(str(tmp_path / name), dtype="float32"), model
+TINY = dict(init="transformers", max_position_embeddings=256)  # transformers' own init, seeded
+ONE_LAYER_16 = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1)
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sd")
-    target, hf_target = _tiny(tmp, "target", 48, 32, 2, seed=0)
-    draft, _ = _tiny(tmp, "draft", 48, 16, 1, seed=1)
+    # the head x 8: sharper logits than the default init, so greedy paths are not near-ties
+    hf_target, target = tiny_model(tmp / "target", seed=0, logit_scale=8.0, vocab_size=48, intermediate_size=64,
+                                   **TINY)
+    _, draft = tiny_model(tmp / "draft", seed=1, logit_scale=8.0, vocab_size=48, **ONE_LAYER_16, **TINY)
     return target, draft, hf_target
 
 
@@ -75,27 +68,6 @@ def test_stop_token_inside_accepted_run(pair):
     assert len(sd.logprobs) == len(sd.token_ids)
 
 
-def _exact_law(hf_model, prompt, steps, temperature, top_p, top_k):
-    """P(continuation) for every continuation of `steps` tokens, by enumeration over the target."""
-    vocab = hf_model.config.vocab_size
-    law = {}
-    t, k, p = torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p])
-
-    def walk(ctx, prob, depth):
-        if depth == steps:
-            law[tuple(ctx[len(prompt):])] = prob
-            return
-        with torch.no_grad():
-            logits = hf_model(torch.tensor([ctx])).logits[0, -1:].float()
-        probs = target_probs(logits, t, k, p)[0]
-        for tok in range(vocab):
-            if probs[tok] > 0:
-                walk(ctx + [tok], prob * float(probs[tok]), depth + 1)
-
-    walk(list(prompt), 1.0, 0)
-    return law
-
-
 def _restricted_head(draft, token_ids):
     """The same draft with its LM head cut to `token_ids` (a sparse q, as the default draft has)."""
     from rollout_ssd.models.decoder import Decoder
@@ -126,16 +98,14 @@ def test_sd_law_matches_target(tmp_path, speculator, temperature, top_p, top_k):
     token comes from the prefill, the next three from one SD round with K=2 drafted tokens).
     "-stop" cases end a chain after a token the draft drew with probability < 0.6 (SpecConfig.stop_prob),
     which here cuts many chains to one token (checked: fewer draft tokens per round than without).
-    Chi-square with cells of expected count < 5 pooled; alpha = 1e-4, so this test fails by
+    Chi-square with cells pooled as tests/support/stats.py says; alpha = 1e-4, so this test fails by
     chance with probability 1e-4 (seeds are fixed, so a given run is deterministic)."""
     stop_prob = 0.6 if speculator.endswith("-stop") else 0.0
     speculator = speculator.removesuffix("-stop")
-    target, hf_target = _tiny(tmp_path, "t", 4, 16, 1, seed=3)
-    with torch.no_grad():
-        hf_target.lm_head.weight.div_(4.0)  # back to a spread-out law (V=4) so every cell is exercised
-    hf_target.save_pretrained(tmp_path / "t")
-    target = load_pretrained(str(tmp_path / "t"), dtype="float32")
-    draft, _ = _tiny(tmp_path, "d", 4, 16, 1, seed=4)  # an unrelated model: far from the target
+    # the head x 2 (x 8 in `pair`): a spread-out law (V=4) so every cell is exercised
+    hf_target, target = tiny_model(tmp_path / "t", seed=3, logit_scale=2.0, vocab_size=4, **ONE_LAYER_16, **TINY)
+    # an unrelated model: far from the target
+    _, draft = tiny_model(tmp_path / "d", seed=4, logit_scale=8.0, vocab_size=4, **ONE_LAYER_16, **TINY)
     if speculator == "sparse":  # q on 2 of the 4 tokens only: the other two are never proposed
         draft, speculator = _restricted_head(draft, [0, 2]), "draft"
     elif speculator == "sparse-unsorted":  # the draft samples over head rows: row -> token must hold
@@ -147,26 +117,13 @@ def test_sd_law_matches_target(tmp_path, speculator, temperature, top_p, top_k):
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=4,
                             ignore_eos=True, seed=11)
     rollouts = eng.sample([prompt], params)
-    law = _exact_law(hf_target, prompt, 4, temperature, top_p, top_k)
-    counts = {c: 0 for c in law}
+    law = exact_law(hf_next_logits(hf_target), prompt, 4, 4, temperature, top_k, top_p)  # [V, V, V, V]
+    counts = torch.zeros_like(law)
     for r in rollouts:
         key = tuple(r.token_ids)
-        assert key in law, f"continuation {key} has probability 0 under the target"
+        assert len(key) == 4 and law[key] > 0, f"continuation {key} has probability 0 under the target"
         counts[key] += 1
-    cells = sorted(law, key=law.get, reverse=True)
-    obs, exp, pool_o, pool_e = [], [], 0, 0.0
-    for c in cells:
-        if law[c] * n >= 5:
-            obs.append(counts[c])
-            exp.append(law[c] * n)
-        else:
-            pool_o += counts[c]
-            pool_e += law[c] * n
-    if pool_e > 0:
-        obs.append(pool_o)
-        exp.append(pool_e)
-    scale = sum(obs) / sum(exp)
-    assert chisquare(obs, [e * scale for e in exp]).pvalue > 1e-4
+    assert_fits(counts, law, alpha=1e-4)  # fails by chance w.p. 1e-4
     proposed = eng.metrics()["spec/proposed_per_round"]
     assert proposed > 0
     if stop_prob:  # the early stop really cut chains: fewer draft tokens per round than without it

@@ -4,8 +4,8 @@ of short continuations equals the exact target law on the hit path, the miss pat
 Saguaro C < 1, at T = 1 and at T = 0.7 with top-p.
 
 Statistical tests: Pearson chi-square of the empirical law of (t4, t5, t6) against the exact target law
-(enumerated from the target's logits), cells with expected count < 5 pooled; each fails by chance with
-probability 1e-3 (the p-value threshold), so the 6 law cases together fail spuriously < 0.6% of runs.
+(enumerated from the target's logits), cells pooled as tests/support/stats.py says; each fails by chance
+with probability 1e-3 (the p-value threshold), so the 6 law cases together fail spuriously < 0.6% of runs.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import itertools
 
 import pytest
 import torch
-from scipy.stats import chi2
 
 from rollout_ssd import SamplingParams
 from rollout_ssd.sampling import sample_from_probs, target_probs
@@ -25,7 +24,10 @@ from rollout_ssd.ssd.rng import draft_key, draft_uniform_reference, draft_unifor
 from rollout_ssd.ssd.rule import StrategyConfig, StrategyRule
 from rollout_ssd.ssd.saguaro import saguaro_probs, top_f_mask
 from rollout_ssd.ssd.tree import SaguaroRule
-from tests.test_ssd_helpers import ar_engine, ssd_engine, tiny_pair
+from tests.support.laws import decoder_next_logits, exact_law
+from tests.support.models import tiny_pair
+from tests.support.stats import assert_fits
+from tests.test_ssd_helpers import ar_engine, ssd_engine
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [3, 3, 3, 3]]
 
@@ -290,33 +292,6 @@ def test_cache_equals_serial_branch_decode(pair48, temperature, top_p, C):
 
 # ---- the law of short continuations ------------------------------------------------------------
 
-def _exact_law(target, prompt: list[int], temperature: float, top_p: float, vocab: int) -> torch.Tensor:
-    """P(t4, t5, t6) [V, V, V] under the target's AR law (t1..t3 summed out), by enumeration."""
-    model = target.model
-    seqs = torch.tensor([prompt + list(t) for t in itertools.product(range(vocab), repeat=5)])  # [V^5, m+5]
-    logits = model.logits(model.forward_train(seqs))[:, len(prompt) - 1:]  # [N, 6, V]
-    n = seqs.shape[0]
-    flat = logits.reshape(n * 6, vocab)
-    p = target_probs(flat, torch.full((n * 6,), temperature), torch.zeros(n * 6, dtype=torch.long),
-                     torch.full((n * 6,), top_p)).view(n, 6, vocab).double()
-    path = p[:, :5].gather(2, seqs[:, len(prompt):, None]).squeeze(2).prod(dim=1)  # P(t1..t5), [N]
-    joint = (path[:, None] * p[:, 5]).view((vocab,) * 6)
-    return joint.sum(dim=(0, 1, 2))
-
-
-def _chi_square_pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:
-    n = counts.sum()
-    expected = law.flatten() * n
-    observed = counts.flatten().double()
-    big = expected >= 5
-    obs = torch.cat([observed[big], observed[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = exp > 0
-    assert float(observed[law.flatten() == 0].sum()) == 0  # nothing outside the target's support
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    return float(chi2.sf(stat, int(keep.sum()) - 1))
-
-
 LAW_CASES = {
     # name: (SpecConfig SSD kwargs, temperature, top_p, backup)
     "hit-path": (dict(k=2, fanout=(4, 4, 5)), 1.0, 1.0, None),
@@ -352,5 +327,5 @@ def test_law_matches_target(pair6, case):
         assert m["ssd/hit_rate_warm"] > 0.8
     if case.startswith("miss"):
         assert m["ssd/hit_rate_warm"] < 0.6
-    law = _exact_law(target, prompt, temperature, top_p, vocab)
-    assert _chi_square_pvalue(counts, law) > 1e-3
+    law = exact_law(decoder_next_logits(target.model), prompt, 6, vocab, temperature, top_p=top_p)
+    assert_fits(counts, law.sum(dim=(0, 1, 2)), alpha=1e-3)  # P(t4, t5, t6); fails by chance w.p. 1e-3

@@ -14,10 +14,13 @@ import signal
 import pytest
 
 from rollout_ssd import SamplingParams
-from tests.test_ssd_helpers import ar_engine, ssd_engine, tiny_pair
+from tests.support.models import tiny_pair
+from tests.test_ssd_helpers import ar_engine, ssd_engine
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [3, 3, 3, 3]]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=16, n=2, ignore_eos=True)
+
+pytestmark = pytest.mark.slow  # every test here starts a worker process
 
 
 @pytest.fixture(scope="module")

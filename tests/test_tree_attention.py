@@ -368,16 +368,19 @@ def interpreted_outputs(tmp_path_factory) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("case, dtype", ALL, ids=IDS)
+@pytest.mark.slow
 def test_triton_interpreted_within_rounding_error_bound(interpreted_outputs, case, dtype):
     _assert_within_error_bound(interpreted_outputs[_case_id(case, dtype)], case, dtype)
 
 
+@pytest.mark.slow
 def test_triton_never_reads_a_hidden_key(interpreted_outputs):
     q, k_cache, v_cache, meta = _poisoned_case()
     expected = ref.tree_attention_reference_fp64(q, k_cache, v_cache, meta)
     assert _error(interpreted_outputs["poisoned"], expected) < 1e-5  # NaN would fail this too
 
 
+@pytest.mark.slow
 def test_triton_needs_the_interpreter_before_triton_is_imported():
     """TRITON_INTERPRET is read when functions are wrapped by triton.jit, not at launch."""
     pytest.importorskip("triton", reason="triton is not installed")

@@ -8,7 +8,6 @@ continuation with the exact target law (a product of target_probs along the path
 from __future__ import annotations
 
 import pytest
-import scipy.stats
 import torch
 
 from rollout_ssd.sampling import (
@@ -24,6 +23,8 @@ from rollout_ssd.spec.verify import (
     SparseDraft,
     verify,
 )
+from tests.support.laws import exact_law
+from tests.support.stats import assert_fits
 
 V, L, START = 6, 3, 0  # vocabulary, continuation length, context token
 _tables = torch.Generator().manual_seed(1234)
@@ -250,29 +251,6 @@ def _sd_generate(propose, k: int, temperature: float, top_k: int, top_p: float, 
     return torch.tensor([seq[:L] for seq in out])  # [n, L]
 
 
-def _exact_law(temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """P(x1, x2, x3) = p(x1 | START) p(x2 | x1) p(x3 | x2), as float64 [V, V, V]."""
-    nxt = target_probs(TARGET, *_sampling(V, temperature, top_k, top_p)).double()  # [V(prev), V]
-    nxt = nxt / nxt.sum(dim=1, keepdim=True)
-    return nxt[START][:, None, None] * nxt[:, :, None] * nxt[None, :, :]
-
-
-def _assert_law(samples: torch.Tensor, law: torch.Tensor, alpha: float):
-    """Chi-square goodness of fit; cells with expected count < 5 are pooled into one cell."""
-    n = samples.shape[0]
-    counts = torch.bincount(samples[:, 0] * V * V + samples[:, 1] * V + samples[:, 2], minlength=V**L).double()
-    law = law.flatten()
-    assert counts[law == 0].sum() == 0, "emitted a continuation the target law gives probability 0"
-    expected = law * n
-    big, small = expected >= 5, (expected < 5) & (law > 0)
-    obs, exp = counts[big].tolist(), expected[big].tolist()
-    if small.any():
-        obs.append(float(counts[small].sum()))
-        exp.append(float(expected[small].sum()))
-    pvalue = scipy.stats.chisquare(obs, exp).pvalue
-    assert pvalue > alpha, f"chi-square p-value {pvalue:.2e} over {len(obs)} cells"
-
-
 LAW_CASES = [(name, 1.0, 0, 1.0) for name in DRAFTERS]
 LAW_CASES += [(name, 0.7, 0, 0.9) for name in DRAFTERS]
 LAW_CASES += [("dense_far", 1.0, 3, 1.0), ("point_ngram", 0.8, 2, 1.0)]
@@ -283,7 +261,9 @@ def test_sd_law_matches_target(drafter, temperature, top_k, top_p):
     """5000 SD generations (K ragged in [0, 3]) fit the exact target law: chi-square at alpha = 1e-4, so a
     correct verifier fails this test with probability 1e-4 per case (seeded: the outcome is fixed)."""
     samples = _sd_generate(DRAFTERS[drafter], 3, temperature, top_k, top_p, n=5000, seed=7)
-    _assert_law(samples, _exact_law(temperature, top_k, top_p), alpha=1e-4)
+    counts = torch.bincount((samples[:, 0] * V + samples[:, 1]) * V + samples[:, 2], minlength=V**L)
+    law = exact_law(lambda contexts: TARGET[contexts[:, -1]], [START], L, V, temperature, top_k, top_p)
+    assert_fits(counts, law, alpha=1e-4)  # fails by chance w.p. 1e-4 per case
 
 
 @pytest.mark.parametrize("drafter", DRAFTERS)
