@@ -31,7 +31,6 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
 SHAPES = {  # name -> (hidden, intermediate, layers, heads, kv heads, vocab)
     "llama3-8b": (4096, 14336, 32, 32, 8, 128256),
@@ -90,8 +89,9 @@ def part_tests(device: torch.device, smoke: bool) -> dict:
 
 def tiny_pair(directory: Path) -> tuple[str, str]:
     """A tiny random Llama target and a noisy copy as its draft (real hits and misses), float32."""
-    from tiny_models import hf_config, randomize
     from transformers import LlamaForCausalLM
+
+    from tests.support.models import hf_config, randomize
 
     torch.manual_seed(0)
     target = LlamaForCausalLM(hf_config("llama-gqa-untied", vocab_size=128, num_hidden_layers=2))

@@ -21,8 +21,9 @@ class ModelRunner:
     def __init__(self, model: Decoder, num_slots: int, max_len: int):
         cfg = model.cfg
         self.model = model
+        self.device = model.embed.device
         self.cache = KVCache(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim,
-                             dtype=model.dtype, device=model.embed.device)
+                             dtype=model.dtype, device=self.device)
 
     @property
     def max_len(self) -> int:
@@ -61,12 +62,17 @@ class ModelRunner:
             tok[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
         if positions is None:
             positions = torch.tensor(starts)[:, None] + torch.arange(t_max)[None, :]
+        # inputs are built on the host and moved once (a no-op on a CPU)
+        dev = self.device
+        tok, positions = tok.to(dev, non_blocking=True), positions.to(dev, non_blocking=True)
+        if mask is not None:
+            mask = mask.to(dev, non_blocking=True)
         batch = ForwardBatch(tok, positions, num_new, list(slots), starts, mask)
         hidden = self.model(batch, self.cache)
         logits = self.model.head_logits if head_only else self.model.logits
         if last_only:
-            idx = torch.tensor(num_new) - 1
-            return logits(hidden[torch.arange(b), idx])
+            idx = torch.tensor(num_new, device=dev) - 1
+            return logits(hidden[torch.arange(b, device=dev), idx])
         return logits(hidden)
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:

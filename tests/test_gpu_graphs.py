@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import hf_config, randomize
 
 from rollout_ssd.gpu.graphs import BUCKETS, GraphedSteps, StaticStep, StepKey, bucket_for
 from rollout_ssd.models.loader import load_pretrained
 from rollout_ssd.runner import ModelRunner
+from tests.support.models import hf_config, randomize
 
 
 @pytest.fixture(scope="module")

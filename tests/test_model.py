@@ -4,7 +4,7 @@ Metric throughout: relative error = max |ours - reference| / max |reference| ove
 float32 bound 1e-5 on tiny random models (the two implementations do the same float32 ops, in a
 different order: fused q/k/v, masked SDPA over a padded cache), 1e-4 on SmolLM2 (30 layers deep).
 
-Tiny models (tests/tiny_models.py) cover GQA and MHA, tied and untied embeddings, q/k/v biases (Qwen2),
+Tiny models (tests/support/models.py) cover GQA and MHA, tied and untied embeddings, q/k/v biases (Qwen2),
 q/k norm with head_dim != hidden / heads (Qwen3) and the linear, llama3 and yarn rope scalings. The
 reference for a ragged batch, a tree append or a rollback is transformers run on each row's plain linear
 sequence, unpadded.

@@ -209,9 +209,10 @@ class Decoder(nn.Module):
         ends = [s + n for s, n in zip(batch.starts, batch.num_new)]
         if max(ends) > cache.max_len:
             raise ValueError(f"forward would write past the KV cache length {cache.max_len}")
+        dev = batch.tokens.device  # every index and mask is made here, next to the weights
         order = sorted(range(b), key=batch.slots.__getitem__)
         if order != list(range(b)):
-            rows = torch.tensor(order)
+            rows = torch.tensor(order, device=dev)
             sorted_batch = ForwardBatch(
                 batch.tokens[rows], batch.positions[rows], [batch.num_new[i] for i in order],
                 [batch.slots[i] for i in order], [batch.starts[i] for i in order],
@@ -225,21 +226,21 @@ class Decoder(nn.Module):
         mask = None
         if not (t == 1 and len(set(ends)) == 1 and batch.mask is None):  # else every query sees every key
             # write indices and mask: padded query rows go to the scratch slot and see key 0 only
-            ar = torch.arange(t)
-            valid = ar[None, :] < torch.tensor(batch.num_new)[:, None]  # [B, T]
-            write_slot = torch.where(valid, torch.tensor(slots)[:, None], cache.scratch_slot)
-            write_pos = torch.where(valid, torch.tensor(starts)[:, None] + ar[None, :], ar[None, :])
+            ar = torch.arange(t, device=dev)
+            valid = ar[None, :] < torch.tensor(batch.num_new, device=dev)[:, None]  # [B, T]
+            write_slot = torch.where(valid, torch.tensor(slots, device=dev)[:, None], cache.scratch_slot)
+            write_pos = torch.where(valid, torch.tensor(starts, device=dev)[:, None] + ar[None, :], ar[None, :])
             if batch.mask is None:
-                keys = torch.arange(read_len)
+                keys = torch.arange(read_len, device=dev)
                 mask = keys[None, None, :] <= (write_pos[:, :, None] * valid[:, :, None])
             else:
                 mask = batch.mask[:, :, :read_len] & valid[:, :, None]
                 mask[:, :, 0] |= ~valid  # padded queries see key 0 so softmax stays finite
             mask = mask[:, None]  # [B, 1, T, L]
         elif not block_write:
-            write_slot = torch.tensor(slots)[:, None]
-            write_pos = torch.tensor(starts)[:, None]
-        slot_index = None if contiguous else torch.tensor(slots)
+            write_slot = torch.tensor(slots, device=dev)[:, None]
+            write_pos = torch.tensor(starts, device=dev)[:, None]
+        slot_index = None if contiguous else torch.tensor(slots, device=dev)
         lo, hi, start = slots[0], slots[0] + b, starts[0]
 
         def write(kc: torch.Tensor, k: torch.Tensor) -> None:  # k [B, T, Hkv, D]
@@ -271,7 +272,7 @@ class Decoder(nn.Module):
     def forward_train(self, tokens: torch.Tensor) -> torch.Tensor:
         """Plain causal forward without a KV cache (distillation). tokens [B, T] -> hidden [B, T, H]."""
         b, t = tokens.shape
-        positions = torch.arange(t).expand(b, t)
+        positions = torch.arange(t, device=tokens.device).expand(b, t)
         x = F.embedding(tokens, self.embed)
         cos, signed_sin = self.rope_tables(positions)
 
