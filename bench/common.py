@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmarks: a plain-text table, the JSON last line (STYLE.md habit 9),
+"""Helpers shared by the benchmarks: a plain-text table, the JSON last line (CONTRIBUTING.md, "Benchmarks"),
 a machine note, a timer, the memory-bandwidth probe the rooflines divide by, and the loader of the
 default target/draft pair.
 

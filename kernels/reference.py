@@ -1,7 +1,7 @@
 """Tree attention for SSD branch decoding: metadata, mask, SDPA path and fp64 reference.
 
 SSD builds its speculation cache by decoding K tokens for every branch of every sequence, all in one
-forward per step (THEORY.md §2). A sequence's draft KV cache slot holds
+forward per step (docs/THEORY.md §2). A sequence's draft KV cache slot holds
 
     [ prefix (committed context) | glue (the K+1 tokens just sent) | branch tokens ]
 

@@ -24,7 +24,7 @@ from rollout_ssd.spec.verify import DraftDistribution, VerifyResult, verify
 
 
 def sample_rows(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:
-    """One token per row from the target law, with its DESIGN.md logprob. logits: [B, V]."""
+    """One token per row from the target law, with its docs/DESIGN.md logprob. logits: [B, V]."""
     temperature, top_k, top_p = row_params(seqs)
     probs = target_probs(logits, temperature, top_k, top_p)
     tokens = draw_tokens(probs, temperature <= 0, [s.generator for s in seqs])

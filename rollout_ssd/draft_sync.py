@@ -1,7 +1,7 @@
 """The rollout side of draft weight sync: updates to the draft model, applied between rounds.
 
-A draft follows the policy (THEORY.md §5) when the learner distills it and sends its new weights
-(`draft_follow.py`, `weight_sync.LearnerSync`). They reach the engine in process
+A draft follows the policy (docs/THEORY.md §5) when the learner distills it and sends its new weights
+(`draft/follow.py`, `weight_sync.LearnerSync`). They reach the engine in process
 (`RolloutEngine.update_draft_weights`) or through a `weight_sync.WeightReceiver`
 (`RolloutEngine.attach_draft_receiver`); either way the engine's draft `updates.UpdateQueue` validates
 them on arrival, queues them, and applies them between rounds through `DraftSync` (this module), to the

@@ -1,4 +1,4 @@
-"""RolloutEngine: the public entry point (DESIGN.md).
+"""RolloutEngine: the public entry point (docs/DESIGN.md).
 
 The engine puts the pieces together and is the face callers see; each piece is its own module:
   edges.py       prompts in, text out (tokenization, stop strings, rollout building)

@@ -2,7 +2,7 @@
 
 Defined once here so the counters (metrics.py), the draft's update counters (draft_sync.py), the
 server's Prometheus export (serve/metrics.py) and run tracking (rl/tracking.py) spell them the same way.
-DESIGN.md lists the names and their meanings; a name here never changes once released (dashboards and
+docs/DESIGN.md lists the names and their meanings; a name here never changes once released (dashboards and
 JSONL records key on it). A family (`spec/accept_rate_pos_{i}`, `ssd/{name}`) is a function.
 """
 

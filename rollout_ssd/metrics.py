@@ -1,7 +1,7 @@
-"""Counters behind `engine.metrics()`, with DESIGN.md's names (spelled once, in metric_names.py).
+"""Counters behind `engine.metrics()`, with docs/DESIGN.md's names (spelled once, in metric_names.py).
 Counters run since start or reset.
 
-Acceptance (DESIGN.md): `spec/accept_rate` = accepted / judged, where a round judges its accepted
+Acceptance (docs/DESIGN.md): `spec/accept_rate` = accepted / judged, where a round judges its accepted
 draft tokens plus the rejected one, if any (it estimates THEORY's per-token a);
 `spec/accepted_per_proposed` = accepted / all proposed; `spec/accept_length` = tokens emitted per
 verification round (accepted + bonus, before truncation at a stop); `spec/accept_rate_pos_{i}` =

@@ -1,4 +1,4 @@
-"""User-facing request parameters (DESIGN.md): a `Prompt`, `SamplingParams` and the `Rollout` result."""
+"""User-facing request parameters (docs/DESIGN.md): a `Prompt`, `SamplingParams` and the `Rollout` result."""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ def draw_uniform(gen: torch.Generator) -> float:
 
 
 def full_logprobs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits / T) over the full vocabulary, T = 1 for greedy rows (DESIGN.md).
+    """log softmax(logits / T) over the full vocabulary, T = 1 for greedy rows (docs/DESIGN.md).
 
     logits: [N, V]; temperature: [N]. Returns float32 [N, V].
     """

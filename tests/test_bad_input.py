@@ -1,4 +1,4 @@
-"""Bad input gets a ValueError that names the offending field or prompt index (DESIGN.md), raised before
+"""Bad input gets a ValueError that names the offending field or prompt index (docs/DESIGN.md), raised before
 any work starts, and the engine keeps working afterwards with nothing left over (no slot held, the
 same rollouts as a fresh engine)."""
 

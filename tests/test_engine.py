@@ -1,7 +1,7 @@
 """RolloutEngine ("ar") end to end: greedy equals transformers' generate, the sampled law, seeds,
-logprobs, stopping and ordering (DESIGN.md's contract for `sample`).
+logprobs, stopping and ordering (docs/DESIGN.md's contract for `sample`).
 
-Greedy is compared token for token in float32 (DESIGN.md: "exactly in float32"), with transformers run
+Greedy is compared token for token in float32 (docs/DESIGN.md: "exactly in float32"), with transformers run
 on each prompt alone and unpadded, against our engine at batch 1 and inside larger ragged batches whose
 sequences finish at different steps (so continuous batching admits waiting ones mid-run).
 """
@@ -178,7 +178,7 @@ def test_sampled_law_matches_enumeration(small_vocab, temperature, top_k, top_p)
 
 def test_same_seed_same_rollouts_regardless_of_batch(tiny_llama):
     """At T = 1 the rollout of (prompt index i, sample j, seed) is the same whatever else is in the
-    batch, the batch size, n, or the admission order. The rule (DESIGN.md): randomness depends on
+    batch, the batch size, n, or the admission order. The rule (docs/DESIGN.md): randomness depends on
     (seed, i, j), so the same prompt at another index gets another (equally valid) rollout."""
     hf, loaded = tiny_llama
     a, b, c, x = _prompts([4, 9, 2, 6], hf.config.vocab_size, seed=51)
@@ -275,7 +275,7 @@ def test_every_method_and_speculator_name_has_a_builder():
 
 
 def test_metric_names_are_the_documented_ones():
-    """The constants spell DESIGN.md's names (dashboards and JSONL records key on them)."""
+    """The constants spell docs/DESIGN.md's names (dashboards and JSONL records key on them)."""
     from rollout_ssd import metric_names as names
 
     assert (names.ROLLOUT_TOKENS_PER_S, names.ROLLOUT_TOKENS_PER_ROUND) == ("rollout/tokens_per_s",

@@ -1,7 +1,7 @@
 """RL in practice (issue 6): the GRPO and PPO recipes end to end on the `--tiny` preset.
 
 - GRPO and PPO run 3 steps through local Ray (2 rollout actors + the learner actor, SSD with its draft
-  worker, weight sync over gloo) and log DESIGN.md's metric names to metrics.jsonl.
+  worker, weight sync over gloo) and log docs/DESIGN.md's metric names to metrics.jsonl.
 - GRPO raises the mean reward on a trivially learnable task (fixed seeds, stated margin).
 - Greedy rollouts: one learner step on SSD rollouts and one on AR rollouts give bitwise-identical weights.
 - pi_old comes from the rollout logprobs when configured (the clipped ratio sees them).

@@ -1,4 +1,4 @@
-"""The SSD formulas (THEORY.md §3): fan-out (Theorem 12), Saguaro sampling (Definition 14), strategy
+"""The SSD formulas (docs/THEORY.md §3): fan-out (Theorem 12), Saguaro sampling (Definition 14), strategy
 (Theorem 7, Corollary 9, Corollary 16 / Theorem 17). Pure maths on CPU; every random draw is seeded."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ GRID = [(a, K, B, r) for a in (0.05, 0.3, 0.5, 0.62, 0.8, 0.97) for K in (1, 3, 
 
 
 def theory_closed_form(a, K, B, r):
-    """THEORY.md's formula, written out independently of the module."""
+    """docs/THEORY.md's formula, written out independently of the module."""
     c = a ** (1 / (1 + r))
     cap = (1 - a) ** (-1 / (1 + r))
     f0 = B / ((1 - c**K) / (1 - c) + c**K * cap)
@@ -244,7 +244,7 @@ def test_saguaro_probs_normalised_and_closed_form():
 
 
 def test_saguaro_paper_example():
-    """THEORY.md's 4-token example, C = 47/147. The cache holds F = 2 tokens: the engine's rule is the
+    """docs/THEORY.md's 4-token example, C = 47/147. The cache holds F = 2 tokens: the engine's rule is the
     top-F draft tokens excluding the one sent, and Saguaro downweights the top-F = {0, 1}.
     Before: rejection happens only when s ∈ {0, 1} (p < q there), the residual is uniform on {2, 3},
     and the cache {the other of 0/1, token 2} catches half of it: 50%. After: only s ∈ {2, 3} can be

@@ -4,7 +4,7 @@
 on_policy.sample_continuations), then scores every visited position with both models' distributions
 there (one teacher-forced forward each, drift.visited_logits): at temperature T > 0 the probability
 that min(1, p/q) accepts a draft token drawn from q_T, sum_x min(p_T(x), q_T(x)); for greedy,
-P(argmax q == argmax p). Averaged per token, this is the expectation of spec/accept_rate (DESIGN.md).
+P(argmax q == argmax p). Averaged per token, this is the expectation of spec/accept_rate (docs/DESIGN.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Drift telemetry: how far the draft is from the policy, and the rollout from the learner, per version.
 
-Two numbers per policy version, next to the engine's acceptance and hit rate (DESIGN.md metric names):
+Two numbers per policy version, next to the engine's acceptance and hit rate (docs/DESIGN.md metric names):
 
 `drift/kl_target_draft` = mean over visited positions of KL(p_T || q_T), where p_T = softmax(target
 logits / T) and q_T = softmax(draft logits / T) (forward KL, target first: the quantity distillation

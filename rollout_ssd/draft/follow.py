@@ -1,4 +1,4 @@
-"""Follow mode: the learner keeps the draft close to the policy by online distillation (THEORY.md §5).
+"""Follow mode: the learner keeps the draft close to the policy by online distillation (docs/THEORY.md §5).
 
 RL moves the target every step; a frozen draft drifts away from it and acceptance and the cache hit
 rate fall. In "follow" mode, every `every_n_steps` policy steps the learner takes the step's rollouts

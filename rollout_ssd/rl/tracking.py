@@ -148,7 +148,7 @@ class RunLogger:
             raise RuntimeError(f"RunLogger({self.out_dir}) is closed")
 
     def log(self, step: int, metrics: dict) -> None:
-        """One row of training/rollout metrics at trainer step `step` (DESIGN.md's metric names)."""
+        """One row of training/rollout metrics at trainer step `step` (docs/DESIGN.md's metric names)."""
         if isinstance(step, bool) or not isinstance(step, int):
             raise ValueError(f"step: expected an int, got {step!r}")
         for reserved in ("step", "time"):

@@ -1,7 +1,7 @@
 """Response bodies of the OpenAI / vLLM-compatible endpoints, built from rollouts.
 
 Choices come out prompt-major (the n samples of prompt 0, then prompt 1, ...), as vLLM returns them.
-Logprobs are the engine's (DESIGN.md): log softmax(logits / T) over the full vocabulary, before
+Logprobs are the engine's (docs/DESIGN.md): log softmax(logits / T) over the full vocabulary, before
 top-k / top-p truncation; they equal vLLM's `processed_logprobs` when top_k and top_p are off.
 """
 

@@ -3,7 +3,7 @@
 One round for a batch (ragged K per sequence):
   1. the speculator proposes s_1..s_K for each sequence (K_i <= k, and K_i + 1 <= what it may still emit);
   2. the target runs ONE forward over [last token, s_1..s_K] per sequence -> logits for K_i + 1 positions;
-  3. `verify` accepts a prefix and draws the bonus token (exact: THEORY.md §1);
+  3. `verify` accepts a prefix and draws the bonus token (exact: docs/THEORY.md §1);
   4. the sequence appends the emitted tokens, stopping at the first stop token or at its length budget
      (what follows a stop inside an accepted run is dropped, as AR would never have produced it);
   5. the target cache is rolled back to the sequence minus its last token; the speculator does the same.

@@ -1,6 +1,6 @@
 """Speculative-decoding verification: one pure function of tensors and per-row generators.
 
-Algorithm (THEORY.md §1; Leviathan et al. 2023, Chen et al. 2023). Row b proposed draft tokens
+Algorithm (docs/THEORY.md §1; Leviathan et al. 2023, Chen et al. 2023). Row b proposed draft tokens
 s_1..s_K (K = num_draft[b], 0 <= K <= Kmax), each s_i sampled from the draft law q_i. The target scored
 the K+1 positions; p_i = target_probs(logits_i) is the law a plain AR step would sample from there.
   1. For i = 1..K in order: draw u ~ U[0, 1) and accept s_i iff u < p_i(s_i) / q_i(s_i), i.e. with

@@ -150,7 +150,7 @@ class Chooser:
     def calibrate(self, runner: ModelRunner, running: list[Sequence], cold: bool) -> float:
         """Time one plain AR decode forward of this batch (then undo it), so the rule compares against
         AR's real step time rather than a prior. On a CPU a verify of K+1 tokens costs more than one
-        decode step (THEORY.md §3), and without this the rule (and ssd/predicted_speedup) would assume
+        decode step (docs/THEORY.md §3), and without this the rule (and ssd/predicted_speedup) would assume
         they cost the same. Done on each of the first `decide_after` timed speculating rounds (the
         estimate is the median of the last few, so one slow step among them cannot set the first
         decision), FIRST_CALIBRATION_GAP rounds later, then every CALIBRATE_EVERY (AR rounds are measured

@@ -19,7 +19,7 @@ _DEFAULTS = {f.name: f.default for f in fields(SpecConfig)}
 
 @dataclass(frozen=True)
 class SSDConfig:
-    """How SSD runs (THEORY.md §2-3).
+    """How SSD runs (docs/THEORY.md §2-3).
 
     k: draft tokens per chain. fanout: manual F_0..F_k (the reference engine's hand-set fan-out), or
     None for the Theorem 12 planner (`FanoutPlanner`) with budget B = `budget` if set, else sized from
@@ -33,7 +33,7 @@ class SSDConfig:
     only once it has scored higher on switch_after decisions in a row (one slow round cannot move it).
     decide_after: speculating rounds the rule measures (a generation's cold first round not counted)
     before its first decision; until then it runs "ssd+<backup>" (a decision on one round's timings,
-    noisy by +-25% on a shared CPU, could settle on AR, after which SD and SSD are not measured again),
+    noisy on a shared CPU (bench/RESULTS.md), could settle on AR, after which SD and SSD are not measured again),
     unless another strategy already scores decide_margin (a fraction) higher, beyond that noise.
     worker: run the draft in its own process (its own core on a CPU, pinned when pin_cores). worker_timeout:
     seconds a reply may take before the worker is declared dead; startup_timeout: the same for start-up.

@@ -3,7 +3,7 @@ command, and their encoding as tensors: a flat int64 payload (floats as their fl
 for chain replies, a flat float32 payload (the q rows). Nothing is ever pickled: a peer's bytes are only
 ever read as int64 / float32 arrays, and every count is checked against the payload length.
 
-Per round (THEORY.md §2):
+Per round (docs/THEORY.md §2):
   target -> draft  Verdicts      per sequence: the verdict (k, t*) of the chain it last verified, or the
                                  tokens committed since the draft last heard of it; the chain length wanted
   draft -> target  ChainReply    per sequence: HIT (chain + q from the speculation cache), DRAFTED (the

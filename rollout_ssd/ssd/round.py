@@ -1,4 +1,4 @@
-"""SSDDecode: speculative speculative decoding as a decode strategy (THEORY.md §2).
+"""SSDDecode: speculative speculative decoding as a decode strategy (docs/THEORY.md §2).
 
 Round n for a batch, target side (`SSDDecode.step`, one call each):
   1. tell the draft side each sequence's verdict of round n-1 (k, t*) and get the chain for round n:
@@ -67,7 +67,7 @@ class SSDDecode(DecodeStrategy):
 
     # ------------------------------------------------------------------ one round
     def step(self, running: list[Sequence]) -> int:
-        """One round: its plan, THEORY.md §2's four steps (module docstring), then its counts."""
+        """One round: its plan, docs/THEORY.md §2's four steps (module docstring), then its counts."""
         t0 = time.perf_counter()
         fanout = self.planner.plan()
         plan = self.chooser.choose(len(running), fallback=self.draft.fallback)

@@ -24,7 +24,8 @@ Every draft-side time is what the TARGET waits, measured on the target side: T_X
 for chains drafted on demand, request to validated reply, so it includes the transfer of the chains and
 their q; T_o is the wait on a round whose chains all came from the cache, less any part of the cache
 build that outlasted the verify (T_p already counts that): the transfer cost the theorem leaves out
-(T_o = 0). Left out, they made SD and SSD look as fast as AR at batch 16 on a CPU when they were 0.65x.
+(T_o = 0). Left out, they made SD and SSD look as fast as AR at batch 16 on a CPU when they were
+slower (bench/RESULTS.md, the rule traces).
 
 Names: a strategy is named by its label (what `ssd/strategy` and `ssd/scores` report: "ssd+neural",
 "ssd+suffix", "ssd+random", "sd", "suffix", "ar"); the inputs are keyed by the speculator that drafts

@@ -1,6 +1,6 @@
 """TreeDrafter: the draft model's forwards for SSD: the glue forward, the branch tree and on-demand chains.
 
-Cache construction for one round (THEORY.md §2), per sequence with committed tokens x_1..x_n and the
+Cache construction for one round (docs/THEORY.md §2), per sequence with committed tokens x_1..x_n and the
 chain s_1..s_K under verification:
   1. glue: ONE forward of the draft over [every committed token its KV lacks (normally just x_n),
      s_1..s_K]. The logits at depth j (after s_1..s_j) rank the bonus candidates of verdict (j, ·), and

@@ -9,8 +9,8 @@ bit for bit (-0.0 vs 0.0 and NaN payloads included). A delta segment is
 each stored byte-planar (all first bytes, then all second bytes, ...), optionally zlib-compressed as
 one stream. The three choices are for zlib: gaps instead of indices and XORs instead of new values
 make the high bytes almost always zero (a small optimizer step moves a bf16 weight by an ulp or two),
-and byte planes turn those zeros into long runs. On AdamW-like steps this is ~2x smaller than zlib
-over plain indices + values. The receiver applies XORs to its own bits, so a delta is only valid on
+and byte planes turn those zeros into long runs. On AdamW-like steps this is smaller than zlib
+over plain indices + values (bench/RESULTS.md, bench_sync). The receiver applies XORs to its own bits, so a delta is only valid on
 exactly its base: the manifest carries the base's checksum and the receiver checks it first.
 Per tensor the encoder keeps whichever of full / delta / compressed delta is smallest; above
 `max_delta_share` changed elements it goes straight to full (cheaper to build, and dense deltas never
