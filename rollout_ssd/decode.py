@@ -29,7 +29,8 @@ def sample_rows(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], 
     probs = target_probs(logits, temperature, top_k, top_p)
     tokens = draw_tokens(probs, temperature <= 0, [s.generator for s in seqs])
     logprobs = full_logprobs(logits, temperature).gather(1, tokens[:, None]).squeeze(1)
-    return tokens.tolist(), logprobs.tolist()
+    both = torch.stack([tokens.double(), logprobs.double()]).tolist()  # one host sync (ids < 2^53: exact)
+    return [int(t) for t in both[0]], [float(lp) for lp in both[1]]
 
 
 def chain_lengths(seqs: list[Sequence], k: int) -> list[int]:
@@ -86,13 +87,17 @@ def finish_round(runner: ModelRunner, seqs: list[Sequence], result: VerifyResult
     """The tail of every round: each sequence appends its emitted tokens (stopping at its first stop token
     or its length budget: what follows a stop inside an accepted run is dropped, as AR would never have
     produced it), then the target KV is rolled back to the sequence minus its last token."""
+    k1 = result.tokens.shape[1]
+    # the verdict comes to the host in one transfer (float64 holds token ids and float32 logprobs exactly)
+    rows = torch.cat([result.tokens.double(), result.logprobs.double(), result.num_emitted[:, None].double(),
+                      result.num_accepted[:, None].double(), result.rejected[:, None].double()], dim=1).tolist()
     emitted = 0
-    for i, seq in enumerate(seqs):
-        n = int(result.num_emitted[i])
-        emitted += seq.append(result.tokens[i, :n].tolist(), result.logprobs[i, :n].tolist())
+    for seq, row in zip(seqs, rows):
+        n = int(row[2 * k1])
+        emitted += seq.append([int(t) for t in row[:n]], row[k1:k1 + n])
         if not seq.finished:
             runner.rollback(seq.slot, seq.num_tokens - 1)
-    return RoundOutcome(emitted, result.num_accepted.tolist(), result.rejected.tolist())
+    return RoundOutcome(emitted, [int(r[2 * k1 + 1]) for r in rows], [bool(r[2 * k1 + 2]) for r in rows])
 
 
 class DecodeStrategy(ABC):

@@ -37,7 +37,7 @@ def full_logprobs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tens
 
     logits: [N, V]; temperature: [N]. Returns float32 [N, V].
     """
-    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(torch.float32)
+    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(logits.device, torch.float32)
     return torch.log_softmax(logits.float() / temp[:, None], dim=-1)
 
 
@@ -102,24 +102,27 @@ def target_probs(
 
     logits: [N, V]; temperature, top_p: [N] float; top_k: [N] int (0 = off).
     Greedy rows (T == 0) get a point mass on argmax (lowest index on ties). Returns float32 [N, V].
+    The parameters may stay on the host (as the engine builds them): which rows are greedy or
+    truncated is then decided there, without waiting for the device.
     """
     n, vocab = logits.shape
+    dev = logits.device
     logits = logits.float()
     greedy = temperature <= 0
-    temp = torch.where(greedy, torch.ones_like(temperature), temperature).to(torch.float32)
-    scaled = logits / temp[:, None]
     needs_trunc = (~greedy) & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature).to(dev, torch.float32)
+    scaled = logits / temp[:, None]
     if bool(needs_trunc.any()):
-        rows = needs_trunc.nonzero()[:, 0]
-        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).to(logits.device)
-        drop = _drop(scaled[rows], k[rows], top_p[rows])
+        rows = needs_trunc.nonzero()[:, 0].to(dev)
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).to(dev)
+        drop = _drop(scaled[rows], k[rows], top_p.to(dev)[rows])
         scaled = scaled.clone()
         scaled[rows] = scaled[rows].masked_fill(drop, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if bool(greedy.any()):
         point = torch.zeros_like(probs)
         point.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-        probs = torch.where(greedy[:, None], point, probs)
+        probs = torch.where(greedy.to(dev)[:, None], point, probs)
     return probs
 
 
@@ -136,7 +139,8 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     idx = idx.clamp_(max=probs.shape[1] - 1)
     # Guard against rounding landing on a zero-mass tail: step back to the last positive token.
     bad = probs.gather(1, idx[:, None]).squeeze(1) <= 0
-    if bool(bad.any()):
+    # on the CPU the check is free and the fix-up rare; on an accelerator the check would be a host sync
+    if probs.device.type != "cpu" or bool(bad.any()):
         last_pos = (probs > 0).cumsum(dim=-1).argmax(dim=-1)
         idx = torch.where(bad, last_pos, idx)
     return idx
@@ -146,10 +150,11 @@ def draw_tokens(probs: torch.Tensor, greedy: torch.Tensor, generators: list[torc
     """Next token per row: argmax for greedy rows (no draw), one uniform from the row's generator
     otherwise. probs: [N, V]; greedy: [N] bool; generators: N generators. Returns int64 [N]."""
     out = probs.argmax(dim=-1)
-    rows = [i for i in range(probs.shape[0]) if not bool(greedy[i])]
+    rows = [i for i, g in enumerate(greedy.tolist()) if not g]  # greedy: on the host, as the engine builds it
     if rows:
-        u = torch.tensor([draw_uniform(generators[i]) for i in rows], dtype=torch.float64)
-        out[rows] = sample_from_probs(probs[rows], u)
+        u = torch.tensor([draw_uniform(generators[i]) for i in rows], dtype=torch.float64, device=probs.device)
+        index = torch.tensor(rows, dtype=torch.long, device=probs.device)
+        out[index] = sample_from_probs(probs[index], u)
     return out
 
 

@@ -26,13 +26,14 @@ def draft_chains(runner: ModelRunner, slots: list[int], catch_up: list[list[int]
     but a chain's last is written into the draft KV (after catch_up[r])."""
     logits = runner.extend(slots, catch_up, last_only=True, head_only=head_only)  # [R, V]
     tokens: list[list[int]] = [[] for _ in slots]
+    dev = logits.device
     for step in range(max(lengths, default=0)):
         rows = [r for r in range(len(slots)) if lengths[r] > step]
-        drawn = sample(step, rows, logits[rows])
+        drawn = sample(step, rows, logits[torch.tensor(rows, dtype=torch.long, device=dev)])
         for r, t in zip(rows, drawn):
             tokens[r].append(t)
         feed = [(r, t) for r, t in zip(rows, drawn) if lengths[r] > step + 1]
         if feed:
-            logits[[r for r, _ in feed]] = runner.decode([slots[r] for r, _ in feed], [t for _, t in feed],
-                                                         head_only=head_only)
+            logits[torch.tensor([r for r, _ in feed], dtype=torch.long, device=dev)] = runner.decode(
+                [slots[r] for r, _ in feed], [t for _, t in feed], head_only=head_only)
     return tokens

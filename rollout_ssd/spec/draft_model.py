@@ -89,7 +89,7 @@ class DraftModelSpeculator(Speculator):
         k_max = max(ks, default=0)
         head_ids = self.model.head_token_ids
         width = head_ids.numel() if head_ids is not None else self.model.cfg.vocab_size
-        q_all = torch.zeros(len(seqs), max(k_max, 1), width)  # [B, K, V or head size]
+        q_all = torch.zeros(len(seqs), max(k_max, 1), width, device=self.model.embed.device)  # [B, K, V or head]
         active = [i for i, k in enumerate(ks) if k > 0]
         if active:
             sub = [seqs[i] for i in active]
@@ -127,7 +127,8 @@ class DraftModelSpeculator(Speculator):
         """End the chains (k_sub[r] = step + 1) of rows whose drawn token had probability < stop_prob."""
         conf = q.gather(1, drawn[:, None])[:, 0]
         if bool(greedy.any()):  # q is a point mass there: its confidence is the T=1 softmax
-            conf[greedy] = torch.softmax(logits[greedy].float(), -1).amax(-1)
+            on_dev = greedy.to(conf.device)
+            conf[on_dev] = torch.softmax(logits[on_dev].float(), -1).amax(-1)
         for j in (conf < self.stop_prob).nonzero()[:, 0].tolist():
             k_sub[rows[j]] = step + 1
 
