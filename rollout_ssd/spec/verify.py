@@ -211,14 +211,14 @@ def _judge_sampled_rows(ks, greedy, p_draft, q_draft, generators, num_accepted) 
 
 
 def _draw_bonus(p: torch.Tensor, q: DraftDistribution, tokens_in: torch.Tensor, rows: torch.Tensor,
-                accepted: torch.Tensor, rejected: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+                accepted: torch.Tensor, rejected: torch.Tensor, u: torch.Tensor, any_rejected: bool) -> torch.Tensor:
     """Step 2 for the sampled `rows` [N]: t* from the residual r_j at a rejection, from p_{K+1} when all
     were accepted, by inverse CDF with the uniforms u [N]. p: [B, K+1, V]. Returns t* [N]."""
     vocab = p.shape[-1]
     at = accepted[rows]  # [N]: 0-based index of the rejected token, or of the bonus slot K if none
     dists = p[rows, at]  # [N, V]: p_{K+1} where all were accepted
     rej = rejected[rows]  # [N]
-    if bool(rej.any()):
+    if any_rejected:  # rej.any(), known on the host
         r_rows, r_at = rows[rej], at[rej]
         p_j = dists[rej]  # [R, V]
         q_j = q.dense(r_rows, r_at, tokens_in[r_rows, r_at], vocab).to(p.device)  # [R, V]
@@ -253,31 +253,38 @@ def verify(
     greedy = (temperature <= 0).tolist()
 
     flat_logits = target_logits.reshape(batch * k1, vocab)
-    flat_temp = temperature.to(device).repeat_interleave(k1)
+    # the parameters stay where the caller made them (the host): target_probs moves what it computes with
     p = target_probs(
-        flat_logits, flat_temp, top_k.to(device).repeat_interleave(k1), top_p.to(device).repeat_interleave(k1)
+        flat_logits, temperature.repeat_interleave(k1), top_k.repeat_interleave(k1), top_p.repeat_interleave(k1)
     ).view(batch, k1, vocab)  # p_i, [B, K+1, V]
     tokens_in = draft_tokens.to(device).clamp(0, vocab - 1)  # [B, Kmax], padding made a valid index
-    p_draft = p[:, :kmax].gather(2, tokens_in[..., None]).squeeze(2).tolist()  # p_i(s_i), [B][Kmax]
-    q_draft = q.token_probs(tokens_in).tolist()  # q_i(s_i), [B][Kmax]
+    p_at = p[:, :kmax].gather(2, tokens_in[..., None]).squeeze(2)  # p_i(s_i), [B, Kmax]
+    q_at = q.token_probs(tokens_in).to(device)  # q_i(s_i), [B, Kmax]
     argmax = target_logits.argmax(dim=-1)  # [B, K+1]; torch returns the first index on ties
 
     # Greedy rows, vectorised: accepted = length of the prefix where s_i == argmax_i.
     pos = torch.arange(kmax, device=device)
     match = (tokens_in == argmax[:, :kmax]) & (pos[None, :] < num_draft.to(device)[:, None])  # [B, Kmax]
-    greedy_accepted = match.long().cumprod(dim=1).sum(dim=1).tolist()
+    greedy_at = match.long().cumprod(dim=1).sum(dim=1)
+    # what the host judges with, in one transfer (float64 holds float32 masses and counts exactly)
+    host = torch.cat([p_at.double(), q_at.double(), greedy_at[:, None].double()], dim=1).tolist()
+    p_draft = [row[:kmax] for row in host]  # [B][Kmax]
+    q_draft = [row[kmax:2 * kmax] for row in host]
+    greedy_accepted = [int(row[2 * kmax]) for row in host]
 
     # Sampled rows, in order: one uniform per judged draft token, then one for the bonus.
     num_accepted = list(greedy_accepted)  # greedy rows draw nothing: their generators stay untouched
     sampled, uniforms = _judge_sampled_rows(ks, greedy, p_draft, q_draft, generators, num_accepted)
 
     accepted = torch.tensor(num_accepted, dtype=torch.int64, device=device)  # [B]
-    rejected = accepted < num_draft.to(device)  # [B]
+    rejected_rows = [a < k for a, k in zip(num_accepted, ks)]  # known on the host: no wait for the device
+    rejected = torch.tensor(rejected_rows, dtype=torch.bool, device=device)  # [B]
     bonus = argmax.gather(1, accepted[:, None]).squeeze(1)  # [B]; the greedy rows' t*
     if sampled:
         rows = torch.tensor(sampled, dtype=torch.int64, device=device)  # [N]
         u = torch.tensor(uniforms, dtype=torch.float64, device=device)  # [N]
-        bonus[rows] = _draw_bonus(p, q, tokens_in, rows, accepted, rejected, u)
+        any_rejected = any(rejected_rows[i] for i in sampled)
+        bonus[rows] = _draw_bonus(p, q, tokens_in, rows, accepted, rejected, u, any_rejected)
 
     # tokens = s_1..s_a, t*, -1 padding
     col = torch.arange(k1, device=device)[None, :]  # [1, K+1]
@@ -286,7 +293,7 @@ def verify(
     tokens = torch.where(col == accepted[:, None], bonus[:, None], tokens)
     emitted = tokens >= 0  # [B, K+1]
 
-    logp = full_logprobs(flat_logits, flat_temp).view(batch, k1, vocab)  # [B, K+1, V]
+    logp = full_logprobs(flat_logits, temperature.repeat_interleave(k1)).view(batch, k1, vocab)  # [B, K+1, V]
     logprobs = logp.gather(2, tokens.clamp(min=0)[..., None]).squeeze(2).masked_fill(~emitted, 0.0)
 
     return VerifyResult(

@@ -272,7 +272,7 @@ class DraftSide:
             out.cached[i] = max(row.cached, 0)
             if row.status in (HIT, DRAFTED) and row.tokens:
                 q = row.q  # [len, V]
-                at = q[torch.arange(len(row.tokens)), torch.tensor(row.tokens)]
+                at = q[torch.arange(len(row.tokens), device=q.device), torch.tensor(row.tokens, device=q.device)]
                 if not bool(torch.isfinite(q).all()) or bool((q < 0).any()) or bool((at <= 0).any()):
                     raise WorkerFailure(f"chain reply row {i} has an invalid q")
                 out.chains[i] = list(row.tokens)

@@ -75,7 +75,7 @@ class SaguaroRule:
             return adaptive_c(entropy(q), self.c_min)
         if self.C >= 1.0:
             return None
-        return torch.full((q.shape[0],), float(self.C))
+        return torch.full((q.shape[0],), float(self.C), device=q.device)
 
 
 @dataclass
@@ -110,17 +110,19 @@ class TreeDrafter:
         top_k = torch.tensor([s.top_k for s in seqs], dtype=torch.long)
         top_p = torch.tensor([s.top_p for s in seqs], dtype=torch.float32)
         q = target_probs(logits, temperature, top_k, top_p)
-        greedy = temperature <= 0
+        greedy = temperature <= 0  # on the host, like the rows' keys: uniforms are made there, then moved
         tokens = logits.argmax(dim=-1)
         sampled = (~greedy).nonzero().squeeze(1)
         if sampled.numel():
-            qs = q[sampled]
+            on = sampled.to(logits.device)
+            qs = q[on]
             c = self.saguaro.values(qs) if bend > 0 else None
             if c is not None:
-                qs = saguaro_probs(qs, top_f_mask(logits[sampled], bend), c)
-                q[sampled] = qs
+                qs = saguaro_probs(qs, top_f_mask(logits[on], bend), c)
+                q[on] = qs
             keys = torch.tensor([seqs[i].key for i in sampled.tolist()], dtype=torch.long)
-            tokens[sampled] = sample_from_probs(qs, draft_uniforms(keys, index[sampled]))
+            u = draft_uniforms(keys, index.cpu()[sampled]).to(logits.device)
+            tokens[on] = sample_from_probs(qs, u)
         return tokens, q
 
     # ------------------------------------------------------------------ on demand (SD / the draft as backup)
@@ -129,7 +131,8 @@ class TreeDrafter:
               ) -> list[tuple[list[int], torch.Tensor]]:
         """Serial chains: lengths[b] tokens after each sequence's committed context, as an SD draft
         would (one catch-up forward, then one decode per token). Returns (tokens, q [len, V]) per row."""
-        out: list[tuple[list[int], torch.Tensor]] = [([], torch.zeros(0, self.vocab)) for _ in seqs]
+        empty = torch.zeros(0, self.vocab, device=self.model.embed.device)
+        out: list[tuple[list[int], torch.Tensor]] = [([], empty) for _ in seqs]
         rows = [b for b, n in enumerate(lengths) if n > 0]
         if not rows:
             return out
@@ -227,8 +230,10 @@ class TreeDrafter:
         flat_seq = [sub[int(i)] for i in flat_rows[:, 0]]
         flat_ctx = (n_ctx[:, 0][flat_rows[:, 0]] + depth[flat_rows[:, 0], flat_rows[:, 1]])  # index of t
 
-        tokens = torch.zeros(R, n_max, K, dtype=torch.long)
-        q = torch.zeros(R, n_max, K, self.vocab)
+        dev = self.model.embed.device  # the tree's tokens and q stay where the draft runs
+        tokens = torch.zeros(R, n_max, K, dtype=torch.long, device=dev)
+        q = torch.zeros(R, n_max, K, self.vocab, device=dev)
+        at_row, at_branch = flat_rows[:, 0].to(dev), flat_rows[:, 1].to(dev)
         feed = [[t for _, t in branches[b]] for b in live]
         for step in range(K):
             length = ends + step * counts[:, None]  # [R, 1] slot length before this step
@@ -240,10 +245,9 @@ class TreeDrafter:
                 mask |= keys == own[:, :, None]
             positions = visible + step  # [R, Nmax]
             logits = self.runner.extend([st.slot for st in sub], feed, positions=positions, mask=mask)
-            drawn, qs = self.sample(flat_seq, logits[flat_rows[:, 0], flat_rows[:, 1]], flat_ctx + step + 1,
-                                    _at(fanout, step))
-            tokens[flat_rows[:, 0], flat_rows[:, 1], step] = drawn
-            q[flat_rows[:, 0], flat_rows[:, 1], step] = qs
+            drawn, qs = self.sample(flat_seq, logits[at_row, at_branch], flat_ctx + step + 1, _at(fanout, step))
+            tokens[at_row, at_branch, step] = drawn
+            q[at_row, at_branch, step] = qs
             grid = tokens[:, :, step].tolist()
             feed = [grid[i][: int(counts[i])] for i in range(R)]
 
