@@ -78,7 +78,8 @@ def part_env(device: torch.device, smoke: bool) -> dict:
 
 
 def part_tests(device: torch.device, smoke: bool) -> dict:
-    files = ["tests/test_gpu_graphs.py", "tests/test_tree_attention.py", "tests/test_weight_sync.py"]
+    files = ["tests/test_gpu_graphs.py", "tests/test_device_engine.py", "tests/test_tree_attention.py",
+             "tests/test_weight_sync.py"]
     # smoke: the same call on one CPU case (the GPU cases skip on a CPU)
     marks = ["-m", "not gpu", "-k", "bucket"] if smoke else ["-m", "gpu"]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *marks, *files]
@@ -121,20 +122,24 @@ def part_equality(device: torch.device, smoke: bool) -> dict:
             gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=params.max_new_tokens,
                               do_sample=False, pad_token_id=0)
             want.append(gen[0, len(p):].tolist())
+        places = [("cpu", False), ("cpu", True)] + ([(str(device), False), (str(device), True)]
+                                                    if device.type != "cpu" else [])
         for method in ("ar", "sd", "ssd"):
             row = {}
-            for where in (("cpu", device) if device.type != "cpu" else ("cpu",)):
+            for where, graphs in places:
+                label = f"{where}{'+graphs' if graphs else ''}"
                 try:
                     engine = RolloutEngine.from_pretrained(target, draft=None if method == "ar" else draft,
-                                                           spec=SpecConfig(method=method, k=3), dtype="float32",
-                                                           device=str(where), max_batch_size=4, max_model_len=64)
+                                                           spec=SpecConfig(method=method, k=3, strategy_rule=False),
+                                                           dtype="float32", device=where, max_batch_size=4,
+                                                           max_model_len=64, cuda_graphs=graphs)
                     try:
                         got = [r.token_ids for r in engine.sample(prompts, params)]
                     finally:
                         engine.close()
-                    row[str(where)] = got == want
+                    row[label] = got == want
                 except Exception as err:  # recorded: the first failure of a device path is the finding
-                    row[str(where)] = f"{type(err).__name__}: {err}"[:300]
+                    row[label] = f"{type(err).__name__}: {err}"[:300]
             out[method] = row
     out["all_equal"] = all(v is True for row in out.values() if isinstance(row, dict) for v in row.values())
     return out

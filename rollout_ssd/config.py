@@ -41,8 +41,11 @@ class SpecConfig:
     defaults are these): fanout (None = Theorem 12 from live estimates, or a manual F_0..F_k), budget,
     max_budget, C (Saguaro, or "adaptive"), c_min, backup ("neural" = the draft model on demand,
     "suffix", "random"), strategy_rule (pick SSD/SD/suffix/AR per batch by Theorem 17), hysteresis,
-    switch_after, decide_after, decide_margin, worker (the draft in its own process), worker_timeout,
-    startup_timeout, pin_cores, fallback ("sd" | "ar"), max_restarts.
+    switch_after, decide_after, decide_margin, worker (the draft side concurrent with the target: its
+    own process on a CPU, its own thread and CUDA stream on a GPU), worker_timeout, startup_timeout,
+    pin_cores, fallback ("sd" | "ar"), max_restarts, draft_device (where the draft side runs: None = the
+    device of the draft model handed to the engine; `from_pretrained` picks the next GPU, or the target's
+    own GPU when there is one).
     """
 
     method: str = "ar"
@@ -66,6 +69,7 @@ class SpecConfig:
     pin_cores: bool = True
     fallback: str = "sd"
     max_restarts: int = 1
+    draft_device: Optional[str] = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -94,11 +98,15 @@ class SpecConfig:
 class EngineConfig:
     """Batching and memory. max_batch_size: sequences decoded together (= KV slots).
     max_model_len: prompt + generated tokens per sequence (default: the model's context, capped at 2048).
-    kv_cache_bytes: optional cap on the KV cache; max_batch_size is lowered to fit under it."""
+    kv_cache_bytes: optional cap on the KV cache; max_batch_size is lowered to fit under it.
+    cuda_graphs: decode and verify steps of equal-length rows run as static-shape steps per batch bucket
+    (rollout_ssd/gpu/graphs.py), captured as CUDA graphs on a CUDA device; on a CPU they run eagerly
+    (correct, and slower than the default path: for tests)."""
 
     max_batch_size: int = 32
     max_model_len: Optional[int] = None
     kv_cache_bytes: Optional[int] = None
+    cuda_graphs: bool = False
 
     def __post_init__(self):
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -107,3 +115,5 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if self.kv_cache_bytes is not None and (not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes < 1):
             raise ValueError(f"EngineConfig.kv_cache_bytes must be a positive integer, got {self.kv_cache_bytes!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"EngineConfig.cuda_graphs must be a bool, got {self.cuda_graphs!r}")

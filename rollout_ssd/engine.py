@@ -13,6 +13,7 @@ round (the server's path), with its own sampling parameters, seed, progress list
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Iterable, Optional
 from typing import Sequence as Seq
 
@@ -61,6 +62,8 @@ class RolloutEngine:
         self.config = engine
         self.max_model_len, slots = _context(target, engine)
         self.runner = ModelRunner(target.model, num_slots=slots, max_len=self.max_model_len)
+        if engine.cuda_graphs:
+            self.runner.use_static_steps()
         self.stats = EngineMetrics()
         self.edges = Edges(target, self.max_model_len)
         self.target_updates = UpdateQueue(TargetWeights(target.model.hf_parameters, self.stats), self._apply_when_idle)
@@ -75,21 +78,34 @@ class RolloutEngine:
     @classmethod
     def from_pretrained(cls, target: str = "smollm2-135m-instruct", draft: Optional[str] = None,
                         spec: Optional[SpecConfig] = None, dtype: str = "auto", device: str = "cpu",
-                        **engine_options) -> "RolloutEngine":
-        """Load the target (and draft) and build an engine. engine_options are EngineConfig fields."""
-        if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
-            raise ValueError(f"device {device!r} is not available on this machine")
+                        draft_device: Optional[str] = None, **engine_options) -> "RolloutEngine":
+        """Load the target (and draft) and build an engine. engine_options are EngineConfig fields.
+        device: where the target runs, and the draft model the engine holds (SD's draft; under SSD the
+        copy that validates updates and serves the fallback). draft_device (SSD): where the draft side
+        runs; default the next GPU when there is one, else the target's device."""
+        from rollout_ssd.gpu.devices import check_device, default_draft_device
+
+        dev = check_device(device)
+        spec = spec or SpecConfig()
+        if draft_device is not None:
+            check_device(draft_device, "draft_device")
+            if spec.method != "ssd":
+                raise ValueError(f"draft_device applies to SpecConfig.method='ssd' (SD's draft runs on `device`), "
+                                 f"got method={spec.method!r}")
+        if spec.method == "ssd" and spec.draft_device is None:
+            spec = dataclasses.replace(spec, draft_device=str(check_device(draft_device) if draft_device
+                                                                else default_draft_device(dev)))
         reject_unknown(EngineConfig, engine_options)
         loaded = load_pretrained(target, dtype=dtype)
-        if device != "cpu":
-            loaded.model.to(device)
+        loaded.model.to(dev)
         draft_loaded = None
         if draft is not None:
             from rollout_ssd.models.registry import resolve_draft
 
             draft_loaded = load_pretrained(resolve_draft(draft, target), dtype=dtype, with_tokenizer=False,
                                            share_embedding_from=loaded.model)
-        return cls(loaded, spec or SpecConfig(), EngineConfig(**engine_options), draft_loaded)
+            draft_loaded.model.to(dev)  # a shared embedding is already there and stays shared
+        return cls(loaded, spec, EngineConfig(**engine_options), draft_loaded)
 
     # ------------------------------------------------------------------ generation
     def sample(self, prompts: Seq[Prompt], params: Optional[SamplingParams] = None,

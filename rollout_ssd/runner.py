@@ -22,8 +22,17 @@ class ModelRunner:
         cfg = model.cfg
         self.model = model
         self.device = model.embed.device
+        self.static = None  # GraphedSteps, once `use_static_steps` is called
         self.cache = KVCache(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim,
                              dtype=model.dtype, device=self.device)
+
+    def use_static_steps(self, buckets=None, graphs: Optional[bool] = None) -> None:
+        """Run equal-length batches through static-shape steps per batch bucket (rollout_ssd/gpu/graphs.py),
+        captured as CUDA graphs on a CUDA device; rows of unequal length, explicit positions or masks and
+        restricted heads still run eagerly. On a CPU the static steps run eagerly (what the tests check)."""
+        from rollout_ssd.gpu.graphs import BUCKETS, GraphedSteps
+
+        self.static = GraphedSteps(self.model, self.cache, buckets or BUCKETS, graphs=graphs)
 
     @property
     def max_len(self) -> int:
@@ -56,6 +65,9 @@ class ModelRunner:
         if min(num_new) < 1:
             raise ValueError("every row needs at least one new token")
         t_max = max(num_new)
+        if self.static is not None and positions is None and mask is None and not head_only \
+                and min(num_new) == t_max and self.static.fits(b, t_max):
+            return self.static.run(list(slots), tokens, last_only=last_only)
         starts = [self.cache.lengths[s] for s in slots]
         tok = torch.zeros(b, t_max, dtype=torch.long)
         for i, row in enumerate(tokens):

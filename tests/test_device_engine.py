@@ -69,3 +69,31 @@ def test_fake_device_raises_on_a_host_tensor_and_counts_reads():
         assert (x + torch.tensor(2.0)).tolist() == [3.0, 3.0, 3.0]  # a 0-dim CPU scalar is fine, as on CUDA
         assert device.syncs == 1
         assert torch.arange(2, device="meta").device.type == "meta"
+
+
+def test_from_pretrained_places_the_draft_and_names_bad_devices(tmp_path):
+    tiny_pair(tmp_path, vocab=48)
+    target, draft = str(tmp_path / "target"), str(tmp_path / "draft")
+    engine = RolloutEngine.from_pretrained(target, draft=draft, spec=SpecConfig(method="ssd", k=3, worker=False),
+                                           dtype="float32", max_batch_size=2, max_model_len=32)
+    assert engine.spec.draft_device == "cpu"  # on a CPU machine the draft side stays on the CPU
+    engine.close()
+    with pytest.raises(ValueError, match="draft_device applies to SpecConfig.method='ssd'"):
+        RolloutEngine.from_pretrained(target, draft=draft, spec=SpecConfig(method="sd"), draft_device="cpu")
+    with pytest.raises(ValueError, match="draft_device 'cuda:0' is not available"):
+        RolloutEngine.from_pretrained(target, draft=draft, spec=SpecConfig(method="ssd"), draft_device="cuda:0")
+    with pytest.raises(ValueError, match="device 'tpu' is not a device name"):
+        RolloutEngine.from_pretrained(target, device="tpu")
+    with pytest.raises(ValueError, match="SpecConfig.draft_device must name a torch device"):
+        SpecConfig(method="ssd", draft_device="gpu0")
+
+
+def test_default_draft_device_is_the_next_gpu_or_the_targets():
+    import torch
+
+    from rollout_ssd.gpu.devices import default_draft_device
+
+    assert default_draft_device(torch.device("cpu")) == torch.device("cpu")
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        assert default_draft_device(torch.device("cuda", 0)) == torch.device("cuda", 1 if count > 1 else 0)

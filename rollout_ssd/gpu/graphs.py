@@ -28,6 +28,7 @@ from rollout_ssd.kv_cache import KVCache
 from rollout_ssd.models.decoder import Decoder, rms_norm
 
 BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+MAX_STEP_TOKENS = 16  # new tokens per row a static step takes: decode (1) and verify (K+1)
 
 
 def bucket_for(batch: int, buckets: Sequence[int] = BUCKETS) -> int:
@@ -44,6 +45,7 @@ def bucket_for(batch: int, buckets: Sequence[int] = BUCKETS) -> int:
 class StepKey:
     rows: int
     t: int
+    last_only: bool = True
 
 
 class StaticStep:
@@ -162,20 +164,26 @@ class GraphedSteps:
     def _step(self, key: StepKey) -> StaticStep:
         step = self.steps.get(key)
         if step is None:
-            step = StaticStep(self.model, self.cache, key.rows, key.t)
+            step = StaticStep(self.model, self.cache, key.rows, key.t, last_only=key.last_only)
             if self.graphs:
                 step.capture(self._pool)
             self.steps[key] = step
         return step
 
-    def run(self, slots: Sequence[int], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+    def fits(self, batch: int, t: int) -> bool:
+        """Whether a batch of `batch` rows of `t` new tokens has a step here: a bucket holds it, and t is a
+        decode or verify length (a prefill's length varies per call: a graph per length would not pay)."""
+        return 1 <= batch <= self.buckets[-1] and 1 <= t <= min(MAX_STEP_TOKENS, self.cache.max_len)
+
+    def run(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], last_only: bool = True) -> torch.Tensor:
         """Append tokens[b] (all rows the same length t) to slot b; returns logits [B, V] at each
-        row's last new token, and advances the cache lengths as `ModelRunner.extend` does."""
+        row's last new token ([B, t, V] with last_only=False), and advances the cache lengths as
+        `ModelRunner.extend` does."""
         if not slots:
             raise ValueError("a step needs at least one row")
         t = len(tokens[0])
         starts = [self.cache.lengths[s] for s in slots]
-        step = self._step(StepKey(bucket_for(len(slots), self.buckets), t))
+        step = self._step(StepKey(bucket_for(len(slots), self.buckets), t, last_only))
         step.load(slots, tokens, starts)
         logits = step.run()[: len(slots)]
         for slot, start in zip(slots, starts):

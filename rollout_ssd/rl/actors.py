@@ -71,8 +71,9 @@ class RolloutWorker:
         if threads:
             torch.set_num_threads(threads)
         target, draft = resolve_models(cfg)
+        placement = dict(device=cfg.device, draft_device=cfg.draft_device if cfg.spec.method == "ssd" else None)
         self.engine = RolloutEngine.from_pretrained(target, draft=draft if has_draft(cfg) else None, spec=cfg.spec,
-                                                    dtype=cfg.dtype, **{f: getattr(cfg.engine, f) for f in
+                                                    dtype=cfg.dtype, **placement, **{f: getattr(cfg.engine, f) for f in
                                                                         ("max_batch_size", "max_model_len",
                                                                          "kv_cache_bytes")})
         self.cfg = cfg

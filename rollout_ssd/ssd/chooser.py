@@ -14,10 +14,10 @@ After a draft worker failure the draft side's fallback decides instead (SD in pr
 from __future__ import annotations
 
 import logging
-import time
 from enum import Enum
 from typing import Optional
 
+from rollout_ssd.gpu.timing import DeviceTimer
 from rollout_ssd.metrics import EngineMetrics
 from rollout_ssd.runner import ModelRunner
 from rollout_ssd.sequence import Sequence
@@ -166,9 +166,9 @@ class Chooser:
         if self._calibrations and self._rounds_since_calibration < gap:
             self._rounds_since_calibration += 1
             return 0.0
-        t0 = time.perf_counter()
+        timer = DeviceTimer(runner.device).start()  # on a GPU: the step's device time, not its launch time
         runner.extend([s.slot for s in running], [[s.last_token] for s in running], last_only=True)
-        seconds = time.perf_counter() - t0
+        seconds = timer.stop()
         self.estimates.observe_time("decode", seconds, len(running))
         for seq in running:
             runner.rollback(seq.slot, seq.num_tokens - 1)

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Optional, Union
 
+import torch
+
 from rollout_ssd.config import SpecConfig
 
 BACKUPS = ("neural", "suffix", "random")  # "neural": the draft model drafts a chain on a miss
@@ -39,6 +41,9 @@ class SSDConfig:
     seconds a reply may take before the worker is declared dead; startup_timeout: the same for start-up.
     fallback: what finishes the rollouts after a worker failure ("sd": the draft model in process, "ar").
     max_restarts: automatic worker restarts (at the next admission) after failures.
+    draft_device: where the draft side runs (None: where the draft model is). On a CPU the concurrent
+    draft side is the worker process; on any other device it is a thread with its own stream
+    (ssd/thread_client.py), since the process's shared-memory path is host memory only.
     """
 
     k: int = _DEFAULTS["k"]
@@ -59,6 +64,7 @@ class SSDConfig:
     pin_cores: bool = _DEFAULTS["pin_cores"]
     fallback: str = _DEFAULTS["fallback"]
     max_restarts: int = _DEFAULTS["max_restarts"]
+    draft_device: Optional[str] = _DEFAULTS["draft_device"]
 
     def __post_init__(self):
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
@@ -102,6 +108,11 @@ class SSDConfig:
             raise ValueError(f"SSDConfig.fallback must be one of {FALLBACKS}, got {self.fallback!r}")
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"SSDConfig.max_restarts must be an integer >= 0, got {self.max_restarts!r}")
+        if self.draft_device is not None:
+            try:
+                torch.device(self.draft_device)
+            except (RuntimeError, TypeError):
+                raise ValueError(f"SSDConfig.draft_device must name a torch device, got {self.draft_device!r}") from None
 
     @property
     def max_branches(self) -> int:

@@ -21,6 +21,7 @@ are the only record of committed tokens, and a fresh draft side is re-admitted f
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -97,6 +98,12 @@ class Chains:
         return all(self.first)
 
 
+def concurrent_draft_side(device: torch.device) -> str:
+    """What runs the draft side beside the target (`worker=True`) for a draft on `device`: a process on
+    a CPU (its own core; shared memory is host memory), a thread with its own stream elsewhere."""
+    return "process" if device.type == "cpu" else "thread"
+
+
 class DraftSide:
     def __init__(self, draft_model: Decoder, target_params: dict[str, torch.Tensor], config: SSDConfig,
                  stats: EngineMetrics, num_slots: int, max_model_len: int):
@@ -131,14 +138,22 @@ class DraftSide:
         return Plan.SD if self.client is not None else Plan.AR
 
     # ------------------------------------------------------------------ client, failover, restarts
-    def _local_server(self) -> DraftServer:
+    def _local_server(self, model: Optional[Decoder] = None) -> DraftServer:
         cfg = self.config
-        return DraftServer(self.draft_model, self.num_slots, self.max_model_len, cfg.k, cfg.max_branches,
+        model = model if model is not None else self.draft_model
+        return DraftServer(model, self.num_slots, self.max_model_len, cfg.k, cfg.max_branches,
                            SaguaroRule(C=cfg.saguaro_c, c_min=cfg.c_min), draft_version=self.draft_version)
 
     def _start_client(self, worker: bool) -> DraftClient:
         params = self.draft_model.hf_parameters()
         self._shared_checksums = {n: checksum(params[n]) for n in self._shared_names}  # what the draft side holds
+        device = torch.device(self.config.draft_device) if self.config.draft_device else self.draft_model.embed.device
+        if worker and concurrent_draft_side(device) == "thread":
+            from rollout_ssd.ssd.thread_client import ThreadDraftClient
+
+            model = self.draft_model if device == self.draft_model.embed.device else \
+                copy.deepcopy(self.draft_model).to(device)  # its own copy on its own device
+            return ThreadDraftClient(self._local_server(model), timeout=self.config.worker_timeout)
         if worker:
             from rollout_ssd.ssd.worker_client import WorkerClient
 

@@ -1,0 +1,31 @@
+"""Which devices the engine may use, and where SSD's draft side goes by default."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_device(device: str, what: str = "device") -> torch.device:
+    """The torch.device `device` names, if this machine has it (ValueError naming `what` otherwise)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{what} {device!r} is not a device name (cpu, cuda, cuda:N)") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        raise ValueError(f"{what} {device!r} is not available on this machine")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"{what} {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+def default_draft_device(target: torch.device) -> torch.device:
+    """SSD's draft side: the next GPU after the target's when there is one (the paper's layout: the draft
+    on hardware of its own), else the target's own device (a second stream on the same GPU)."""
+    if target.type != "cuda":
+        return target
+    index = target.index if target.index is not None else torch.cuda.current_device()
+    if index + 1 < torch.cuda.device_count():
+        return torch.device("cuda", index + 1)
+    return torch.device("cuda", index)

@@ -1,0 +1,92 @@
+"""SSD's draft side on its own thread (ssd/thread_client.py), the concurrent draft side on GPU machines.
+On a CPU the engine would start a worker process instead; these tests route `worker=True` to the
+thread (`concurrent_draft_side`) so the thread's logic runs here: the same exact outputs as the draft
+side in process, failures that fall back like a dead worker's, weights copied into its own model."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from rollout_ssd import SamplingParams
+from rollout_ssd.ssd import draft_side
+from rollout_ssd.ssd.draft_server import DraftServer, weights_digest
+from rollout_ssd.ssd.thread_client import ThreadDraftClient
+from tests.support.models import tiny_pair
+from tests.test_ssd_helpers import ar_engine, ssd_engine
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [3, 3, 3, 3]]
+GREEDY = SamplingParams(temperature=0, max_new_tokens=16, n=2, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tiny_pair(tmp_path_factory.mktemp("ssdt"), vocab=48)
+
+
+@pytest.fixture
+def threaded(monkeypatch):
+    monkeypatch.setattr(draft_side, "concurrent_draft_side", lambda device: "thread")
+
+
+def _draft_threads() -> list:
+    return [t for t in threading.enumerate() if t.name == "rollout-ssd-draft-side"]
+
+
+def test_thread_draft_side_is_exact_and_leaves_no_thread(pair, threaded):
+    want = [r.token_ids for r in ar_engine(pair[0], 3).sample(PROMPTS, GREEDY)]
+    engine = ssd_engine(*pair, batch=3, k=3, fanout=(1, 1, 1, 2), worker=True)
+    assert isinstance(engine.strategy.client, ThreadDraftClient)
+    assert [r.token_ids for r in engine.sample(PROMPTS, GREEDY)] == want
+    m = engine.metrics()
+    assert m["ssd/hits"] > 0 and m["ssd/worker_failures"] == 0
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=16, n=3, seed=4, ignore_eos=True)
+    got = [r.token_ids for r in engine.sample(PROMPTS, params)]
+    engine.close()
+    assert _draft_threads() == []
+    local = ssd_engine(*pair, batch=3, k=3, fanout=(1, 1, 1, 2))  # in process, synchronous
+    assert [r.token_ids for r in local.sample(PROMPTS, params)] == got  # counter-based draws: same samples
+    local.close()
+
+
+def test_a_failing_draft_thread_falls_back_exactly(pair, threaded, monkeypatch):
+    want = [r.token_ids for r in ar_engine(pair[0], 3).sample(PROMPTS, GREEDY)]
+    engine = ssd_engine(*pair, batch=3, k=3, fanout=(1, 1, 1, 2), worker=True, max_restarts=0)
+    server = engine.strategy.client.server
+    calls = [0]
+    build = server.build
+
+    def failing(msg):
+        calls[0] += 1
+        if calls[0] == 4:
+            raise RuntimeError("injected")
+        return build(msg)
+
+    monkeypatch.setattr(server, "build", failing)
+    with pytest.warns(RuntimeWarning, match="draft worker failed"):
+        out = engine.sample(PROMPTS, GREEDY)
+    assert [r.token_ids for r in out] == want
+    assert engine.metrics()["ssd/worker_failures"] == 1
+    engine.close()
+    assert _draft_threads() == []
+
+
+def test_update_weights_copies_into_the_threads_own_model(pair):
+    _, draft = pair
+    own = copy.deepcopy(draft.model)
+    client = ThreadDraftClient(DraftServer(own, num_slots=2, max_model_len=64, k=3, max_branches=8))
+    try:
+        new = {n: t + 0.5 for n, t in draft.model.hf_parameters().items() if t.dtype.is_floating_point}
+        client.update_weights(new, {}, draft_version=3)
+        params = own.hf_parameters()
+        assert all(torch.equal(params[n], t) for n, t in new.items())
+        reply = client.digest()
+        assert reply.draft_version == 3 and reply.digest == weights_digest(params)
+        with pytest.raises(RuntimeError, match="no tensor 'nope'"):
+            client.update_weights({"nope": torch.zeros(1)}, {}, draft_version=4)
+    finally:
+        client.close()
+    assert _draft_threads() == []
