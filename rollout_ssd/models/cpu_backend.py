@@ -7,6 +7,8 @@ another order), never the model:
   (a decode step at batch 1); 2+ rows run W @ x.T over a cached row-major copy (`linear`,
   `WeightCopies`), with the row count padded to a width MKL has no remainder penalty at (`gemm_rows`);
 - the LM head: its GEMM form by row count (`head_matmul`);
+- bf16 on a CPU with bf16 units: oneDNN's linear over weights it packed once (`packed_linear`), bitwise
+  equal to F.linear and faster;
 - dtype "auto": bfloat16 where the CPU runs bf16 matmuls natively, else float32 (`auto_dtype`).
 
 The CPU kind is read once per process (`cpu_kind`). Measurements behind these choices are in
@@ -139,6 +141,38 @@ def padded_mm_t(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.mm(w, F.pad(x, (0, 0, 0, padded - m)).t())[:, :m].t()
 
 
+# bf16 on a CPU with native bf16: oneDNN's linear over a weight it has reordered ("packed") into its own
+# blocked layout once. Bitwise equal to F.linear (the same oneDNN kernels' arithmetic; tests check) and
+# faster at every row count measured up to 256 (bench/RESULTS.md, "bf16 linear over packed weights").
+PACKED_BF16_MAX_ROWS = 256
+
+
+@functools.cache
+def packed_bf16() -> bool:
+    """Whether bf16 linears run over oneDNN-packed weights: the CPU has bf16 units and oneDNN's packed
+    linear exists in this torch build."""
+    ops = torch.ops.mkldnn
+    return cpu_kind() in ("amx", "avx512_bf16") and hasattr(ops, "_reorder_linear_weight") \
+        and hasattr(ops, "_linear_pointwise") and bool(ops._is_mkldnn_bf16_supported())
+
+
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w, 1)
+
+
+def packed_linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,
+                  bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """F.linear(x, w, bias) over the packed copy of a frozen bf16 CPU weight, or None where that form
+    does not apply (other dtypes, devices, training, more than PACKED_BF16_MAX_ROWS rows)."""
+    m = x.numel() // x.shape[-1]
+    if w.dtype != torch.bfloat16 or not w.is_cpu or w.requires_grad or x.requires_grad \
+            or m > PACKED_BF16_MAX_ROWS or not packed_bf16():
+        return None
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(m, x.shape[-1]), copies.get(name + ":packed", w, _pack),
+                                             bias, "none", [], "")
+    return out.view(*x.shape[:-1], w.shape[0])
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,
            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear(x, w, bias); for 2+ rows of a frozen float32 CPU weight, the fastest GEMM form measured.
@@ -150,6 +184,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,
     copy of the layer matrices in memory), and x is padded to `gemm_rows`. With one thread, 12+ rows
     use x @ W.T over the column-major storage instead (as fast, no remainder penalty). Weights that
     require grad (training) use F.linear. The forms differ only in float32 rounding."""
+    packed = packed_linear(x, w, copies, name, bias)
+    if packed is not None:
+        return packed
     m = x.numel() // x.shape[-1]
     if m < 2 or w.requires_grad or w.dtype != torch.float32 or not w.is_cpu:
         return F.linear(x, w, bias)
@@ -168,6 +205,9 @@ def head_matmul(rows: torch.Tensor, head: torch.Tensor, copies: WeightCopies) ->
     head (faster than F.linear's GEMV, at the read bandwidth); 2 <= M <= HEAD_MM_T_MAX_ROWS computes
     head @ rows.T (faster than rows @ head.T), padded to `gemm_rows(M)`; more rows, other dtypes,
     devices and training use F.linear. The forms differ only in float32 rounding."""
+    packed = packed_linear(rows, head, copies, "lm_head")
+    if packed is not None:
+        return packed
     m = rows.shape[0]
     cpu_f32 = head.dtype == torch.float32 and head.is_cpu and not rows.requires_grad
     if cpu_f32 and m == 1:

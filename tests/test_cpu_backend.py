@@ -1,0 +1,59 @@
+"""bf16 linears over oneDNN-packed weights (models/cpu_backend.py) on CPUs with bf16 units: bitwise
+equal to F.linear at every shape and row count the engine uses, remade when the weight changes, and the
+same model outputs with and without them. Skipped on CPUs without bf16 units (the path is off there)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rollout_ssd.models import cpu_backend
+from rollout_ssd.models.cpu_backend import WeightCopies, packed_bf16, packed_linear
+
+needs_packed = pytest.mark.skipif(not packed_bf16(), reason="this CPU has no bf16 units (the packed path is off)")
+
+
+@needs_packed
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (3072, 576), (8192, 576), (49, 33)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17, 64, 256])
+def test_packed_linear_is_bitwise_f_linear(shape, rows):
+    gen = torch.Generator().manual_seed(rows * 1000 + shape[0])
+    w = (torch.randn(*shape, generator=gen) * 0.05).to(torch.bfloat16)
+    x = torch.randn(rows, shape[1], generator=gen).to(torch.bfloat16)
+    bias = torch.randn(shape[0], generator=gen).to(torch.bfloat16)
+    copies = WeightCopies()
+    assert torch.equal(packed_linear(x, w, copies, "w"), F.linear(x, w))
+    assert torch.equal(packed_linear(x[None], w, copies, "w", bias), F.linear(x[None], w, bias))  # [1, M, K]
+
+
+@needs_packed
+def test_packed_copy_follows_in_place_updates_and_is_skipped_where_it_does_not_apply():
+    w = torch.randn(64, 32).to(torch.bfloat16)
+    x = torch.randn(2, 32).to(torch.bfloat16)
+    copies = WeightCopies()
+    first = packed_linear(x, w, copies, "w")
+    w.mul_(2)  # an update_weights-style write: the packed copy must be remade
+    assert torch.equal(packed_linear(x, w, copies, "w"), F.linear(x, w))
+    assert not torch.equal(first, F.linear(x, w))
+    assert packed_linear(x.float(), w.float(), copies, "f") is None  # float32: the MKL forms instead
+    assert packed_linear(torch.randn(300, 32).to(torch.bfloat16), w, copies, "w") is None  # many rows
+    trainable = torch.nn.Parameter(w.clone())
+    assert packed_linear(x, trainable, copies, "t") is None
+
+
+@needs_packed
+def test_bf16_decoder_outputs_are_unchanged_by_packing(tmp_path, monkeypatch):
+    from rollout_ssd.models.loader import load_pretrained
+    from rollout_ssd.runner import ModelRunner
+    from tests.support.models import build_tiny
+
+    build_tiny(tmp_path, family="qwen2-bias-tied")
+    model = load_pretrained(str(tmp_path), dtype="bfloat16").model
+    out = {}
+    for on in (True, False):
+        monkeypatch.setattr(cpu_backend, "packed_bf16", lambda on=on: on)
+        runner = ModelRunner(model, num_slots=3, max_len=32)
+        out[on] = [runner.prefill([0, 1, 2], [[1, 2, 3, 4], [5, 6], [7]]), runner.decode([0, 1, 2], [8, 9, 10]),
+                   runner.extend([0, 2], [[1, 2, 3], [4, 5, 6]])]
+    assert all(torch.equal(a, b) for a, b in zip(out[True], out[False]))
