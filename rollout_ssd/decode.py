@@ -81,6 +81,7 @@ class RoundOutcome:
     emitted: int
     accepted: list[int]
     rejected: list[bool]
+    bonus: list[int]  # t* per row: the token the target drew after the accepted ones
 
 
 def finish_round(runner: ModelRunner, seqs: list[Sequence], result: VerifyResult) -> RoundOutcome:
@@ -97,7 +98,9 @@ def finish_round(runner: ModelRunner, seqs: list[Sequence], result: VerifyResult
         emitted += seq.append([int(t) for t in row[:n]], row[k1:k1 + n])
         if not seq.finished:
             runner.rollback(seq.slot, seq.num_tokens - 1)
-    return RoundOutcome(emitted, [int(r[2 * k1 + 1]) for r in rows], [bool(r[2 * k1 + 2]) for r in rows])
+    accepted = [int(r[2 * k1 + 1]) for r in rows]
+    return RoundOutcome(emitted, accepted, [bool(r[2 * k1 + 2]) for r in rows],
+                        [int(r[a]) for r, a in zip(rows, accepted)])
 
 
 class DecodeStrategy(ABC):

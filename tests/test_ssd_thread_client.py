@@ -90,3 +90,31 @@ def test_update_weights_copies_into_the_threads_own_model(pair):
     finally:
         client.close()
     assert _draft_threads() == []
+
+
+def test_a_reply_with_an_invalid_q_is_refused_and_the_rollouts_stay_exact(pair, threaded, monkeypatch):
+    """The target side does not trust the draft side's q (the verification's exactness rests on it): a
+    negative mass in one chain's q is a draft-side failure, checked for all rows in one host read."""
+    import dataclasses
+
+    want = [r.token_ids for r in ar_engine(pair[0], 3).sample(PROMPTS, GREEDY)]
+    engine = ssd_engine(*pair, batch=3, k=3, fanout=(1, 1, 1, 2), worker=True, max_restarts=0)
+    server = engine.strategy.client.server
+    resolve, calls = server.resolve, [0]
+
+    def corrupt(msg):
+        reply = resolve(msg)
+        calls[0] += 1
+        rows = list(reply.rows)
+        for j, row in enumerate(rows):
+            if calls[0] >= 3 and row.tokens:
+                rows[j] = dataclasses.replace(row, q=-row.q)
+                break
+        return dataclasses.replace(reply, rows=tuple(rows))
+
+    monkeypatch.setattr(server, "resolve", corrupt)
+    with pytest.warns(RuntimeWarning, match="invalid q"):
+        out = engine.sample(PROMPTS, GREEDY)
+    assert [r.token_ids for r in out] == want
+    assert engine.metrics()["ssd/worker_failures"] == 1
+    engine.close()

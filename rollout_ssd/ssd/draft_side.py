@@ -31,10 +31,11 @@ from typing import Optional
 
 import torch
 
+from rollout_ssd.decode import RoundOutcome
 from rollout_ssd.metrics import EngineMetrics
 from rollout_ssd.models.decoder import Decoder
 from rollout_ssd.sequence import Sequence
-from rollout_ssd.spec.verify import DenseDraft, DraftDistribution, PointDraft, VerifyResult
+from rollout_ssd.spec.verify import DenseDraft, DraftDistribution, PointDraft
 from rollout_ssd.ssd.chooser import Plan
 from rollout_ssd.ssd.client import DraftClient, LocalDraftClient, WorkerFailure
 from rollout_ssd.ssd.config import SSDConfig
@@ -55,7 +56,6 @@ from rollout_ssd.ssd.messages import (
 )
 from rollout_ssd.ssd.rng import draft_key
 from rollout_ssd.ssd.tree import SaguaroRule
-from rollout_ssd.weight_sync.codec import checksum
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,10 @@ class Chains:
         return all(self.first)
 
 
+def _stamp(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t._version
+
+
 def concurrent_draft_side(device: torch.device) -> str:
     """What runs the draft side beside the target (`worker=True`) for a draft on `device`: a process on
     a CPU (its own core; shared memory is host memory), a thread with its own stream elsewhere."""
@@ -124,7 +128,10 @@ class DraftSide:
         target_storages = {t.untyped_storage().data_ptr() for t in target_params.values()}
         self._shared_names = [n for n, t in draft_model.hf_parameters().items()
                               if t.untyped_storage().data_ptr() in target_storages]
-        self._shared_checksums: dict[str, str] = {}
+        # what the draft side holds of each shared tensor: its (storage, version counter) when it was sent;
+        # every write through copy_ or an in-place op bumps the counter, so no checksum (on a GPU: no copy
+        # to the host) is needed to see that the target changed it
+        self._shared_stamps: dict[str, tuple[int, int]] = {}
         try:
             self.client = self._start_client(worker=config.worker)
         except WorkerFailure as err:  # a worker that cannot start is a failure like any other
@@ -146,7 +153,7 @@ class DraftSide:
 
     def _start_client(self, worker: bool) -> DraftClient:
         params = self.draft_model.hf_parameters()
-        self._shared_checksums = {n: checksum(params[n]) for n in self._shared_names}  # what the draft side holds
+        self._shared_stamps = {n: _stamp(params[n]) for n in self._shared_names}  # what the draft side holds
         device = torch.device(self.config.draft_device) if self.config.draft_device else self.draft_model.embed.device
         if worker and concurrent_draft_side(device) == "thread":
             from rollout_ssd.ssd.thread_client import ThreadDraftClient
@@ -280,6 +287,7 @@ class DraftSide:
         if len(reply.rows) != len(rows) or reply.vocab != vocab:
             raise WorkerFailure("chain reply does not match the request")
         out.reply = reply
+        checks: list[tuple[int, torch.Tensor]] = []  # (row, q valid): judged together, one host read
         for i, (row, req) in enumerate(zip(reply.rows, rows)):
             if row.seq_id != req.seq_id or len(row.tokens) > ks[i] or any(not 0 <= t < vocab for t in row.tokens):
                 raise WorkerFailure(f"chain reply row {i} does not match the request")
@@ -288,11 +296,15 @@ class DraftSide:
             if row.status in (HIT, DRAFTED) and row.tokens:
                 q = row.q  # [len, V]
                 at = q[torch.arange(len(row.tokens), device=q.device), torch.tensor(row.tokens, device=q.device)]
-                if not bool(torch.isfinite(q).all()) or bool((q < 0).any()) or bool((at <= 0).any()):
-                    raise WorkerFailure(f"chain reply row {i} has an invalid q")
+                checks.append((i, torch.isfinite(q).all() & (q >= 0).all() & (at > 0).all()))
                 out.chains[i] = list(row.tokens)
                 out.q[i] = DenseDraft(q[None].clone())
                 out.paths[i] = "hit" if row.status == HIT else "draft"
+        if checks:
+            valid = torch.stack([ok.to(checks[0][1].device) for _, ok in checks]).tolist()
+            bad = [i for (i, _), ok in zip(checks, valid) if not ok]
+            if bad:
+                raise WorkerFailure(f"chain reply row {bad[0]} has an invalid q")
 
     def missed(self, out: Chains, ks: list[int]) -> list[int]:
         """Rows the draft side gave no chain for (a cache miss it did not draft), that want one."""
@@ -306,11 +318,9 @@ class DraftSide:
                      for s, c, k in zip(running, chains, ks))
         return self._send(BuildCache(rows, fanout))
 
-    def remember(self, running: list[Sequence], chains: list[list[int]], told: bool, result: VerifyResult) -> None:
+    def remember(self, running: list[Sequence], chains: list[list[int]], told: bool, outcome: RoundOutcome) -> None:
         """Each sequence's verdict (k, t*), told to the draft side at the start of the next round."""
-        accepted = result.num_accepted.tolist()
-        bonus = result.tokens.gather(1, result.num_accepted[:, None]).squeeze(1).tolist()  # t* per row
-        for seq, chain, k, t in zip(running, chains, accepted, bonus):
+        for seq, chain, k, t in zip(running, chains, outcome.accepted, outcome.bonus):
             tr = self.tracks[id(seq)]
             tr.chain, tr.told, tr.verdict = chain, told, (k, t)
 
@@ -332,7 +342,7 @@ class DraftSide:
             return
         with self._weights_lock:
             params = self.draft_model.hf_parameters()
-            changed = {n: params[n] for n in self._shared_names if checksum(params[n]) != self._shared_checksums.get(n)}
+            changed = {n: params[n] for n in self._shared_names if _stamp(params[n]) != self._shared_stamps.get(n)}
             if changed:
                 self._push(changed, {})
 
@@ -352,4 +362,4 @@ class DraftSide:
             self._fail(err)
         for n in self._shared_names:
             if n in new:
-                self._shared_checksums[n] = checksum(new[n])
+                self._shared_stamps[n] = _stamp(new[n])

@@ -83,7 +83,7 @@ class SSDDecode(DecodeStrategy):
         t3 = time.perf_counter()
         # 4. append, roll back; the verdicts go out in the next round's step 1
         outcome = finish_round(self.runner, running, result)
-        self.draft.remember(running, rnd.chains, told, result)
+        self.draft.remember(running, rnd.chains, told, outcome)
         if self.backup is not None:
             self.backup.on_verified(running, outcome.accepted)
         t4 = time.perf_counter()
