@@ -8,6 +8,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "rollout_ssd"
 CITING = [PACKAGE, REPO / "bench", REPO / "recipes", REPO / "tests", REPO / "kernels"]
@@ -53,3 +55,12 @@ def test_every_cited_document_section_and_theorem_exists():
         for kind, number in re.findall(r"\b(Theorem|Corollary|Definition) (\d+)\b", text):
             assert re.search(rf"{kind} {number}\b", theory), f"{path}: cites {kind} {number}, not in docs/THEORY.md"
     assert cited > 20  # the scan saw the citations it exists for
+
+
+def test_every_package_is_listed_for_the_wheel():
+    """pyproject.toml lists packages explicitly (kernels/ installs under another name): a new subpackage
+    missing there works in the editable install and is absent from a wheel."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in PACKAGE.rglob("__init__.py")}
+    assert found - listed == set()
