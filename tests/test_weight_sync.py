@@ -72,11 +72,12 @@ def sync_one(sender, receiver, params, master, version, **kwargs):
     return stats
 
 
-@pytest.mark.parametrize("compression", ["zlib", "none"])
-def test_twenty_random_updates_are_bitwise_exact(compression):
+@pytest.mark.parametrize("compression, kind", [("zlib", "crc"), ("none", "crc"), ("zlib", "sum64")])
+def test_twenty_random_updates_are_bitwise_exact(compression, kind):
     master = make_master()
     params = bf16_params(master)
-    sender, receiver, _ = pair(SenderConfig(bucket_bytes=4096, compression=compression), reference=params)
+    sender, receiver, _ = pair(SenderConfig(bucket_bytes=4096, compression=compression, checksum=kind),
+                               reference=params)
     rng, gen = random.Random(0), torch.Generator().manual_seed(1)
     kinds = set()
     for version in range(1, 21):
@@ -209,13 +210,13 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", list(BAD))
-@pytest.mark.parametrize("with_reference", [True, False])
-def test_bad_transfers_are_rejected_and_leave_everything_untouched(case, with_reference):
+@pytest.mark.parametrize("with_reference, kind", [(True, "crc"), (False, "crc"), (True, "sum64")])
+def test_bad_transfers_are_rejected_and_leave_everything_untouched(case, with_reference, kind):
     make, tamper, dtype, text = BAD[case]
     master = make_master()
     params = bf16_params(master)
     transport = TamperTransport()
-    sender = WeightSender(transport, SenderConfig(bucket_bytes=4096, check_finite=False))
+    sender = WeightSender(transport, SenderConfig(bucket_bytes=4096, check_finite=False, checksum=kind))
     receiver = WeightReceiver(transport, reference=params if with_reference else None)
     sync_one(sender, receiver, params, master, 1)
     before = {n: t.clone() for n, t in params.items()}
@@ -409,3 +410,37 @@ def test_gloo_sender_killed_mid_transfer_leaves_receiver_on_old_version(tmp_path
     result = json.loads((tmp_path / "receiver.json").read_text())
     assert result == {"kinds": [True], "died": "TransportError", "ok": True}
     assert json.loads((tmp_path / "sender2.json").read_text()) == {"kind": "delta", "acked": True}
+
+
+def test_sum64_checksum_sees_every_bit_position_and_shape():
+    """The device-side checksum kind: deterministic, and changed by one flipped bit, by two swapped
+    elements and by a shorter tensor. Like crc it is a checksum of the bytes: the same bytes under another
+    dtype of the same width, or another shape, give the same value (the manifest carries dtype and shape)."""
+    from rollout_ssd.weight_sync.codec import checksum, checksum_kind, matches
+
+    t = torch.randn(1000, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    base = checksum(t, "sum64")
+    assert base.startswith("s") and len(base) == 17 and checksum_kind(base) == "sum64"
+    assert checksum(t.clone(), "sum64") == base and matches(t, base)
+    flipped = t.clone()
+    flipped.view(torch.int16)[500] ^= 1
+    swapped = t.clone()
+    swapped[[3, 4]] = t[[4, 3]]
+    others = {checksum(flipped, "sum64"), checksum(swapped, "sum64"), checksum(t[:999], "sum64")}
+    assert base not in others and len(others) == 3
+    assert checksum(t.view(torch.int16), "sum64") == base == checksum(t.view(10, 100), "sum64")
+    assert checksum_kind(checksum(t)) == "crc" and matches(t, checksum(t))
+    with pytest.raises(ValueError, match="checksum kind"):
+        checksum(t, "md5")
+    with pytest.raises(ValueError, match="SenderConfig.checksum"):
+        SenderConfig(checksum="md5")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sum64_is_the_same_on_cpu_and_gpu():
+    from rollout_ssd.weight_sync.codec import checksum
+
+    for dtype in (torch.bfloat16, torch.float32, torch.int64):
+        t = (torch.randn(3 << 20, generator=torch.Generator().manual_seed(1)) * 100).to(dtype)
+        assert checksum(t, "sum64") == checksum(t.cuda(), "sum64")

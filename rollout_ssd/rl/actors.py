@@ -126,8 +126,10 @@ class LearnerWorker:
 
     def sender_config(self) -> SenderConfig:
         s = self.cfg.sync
+        # an engine on a GPU checks what it receives where its weights are: "sum64" needs no copy to the host
+        on_gpu = str(self.cfg.device).startswith("cuda")
         return SenderConfig(dtype=engine_dtype(self.cfg), bucket_bytes=s.bucket_bytes, delta=s.delta,
-                            compression=s.compression)
+                            compression=s.compression, checksum="sum64" if on_gpu else "auto")
 
     def attach(self, target_transport, draft_transport=None) -> None:
         self.sync = LearnerSync(target_transport, draft_transport, config=self.sender_config(),

@@ -52,9 +52,57 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(INT_VIEWS[t.element_size()])
 
 
-def checksum(t: torch.Tensor) -> str:
-    """crc32 + adler32 of the tensor's bytes in C order, as 16 hex digits (device tensors are copied
-    to the CPU chunk by chunk)."""
+# Checksum kinds. "crc": crc32 + adler32 of the bytes (zlib, on the host: a device tensor is copied
+# there chunk by chunk). "sum64": a 64-bit hash computed where the tensor is, with integer tensor ops
+# only (each element's bits, mixed with its index, summed mod 2^64: the sum's order cannot change it, so
+# a CPU and a GPU compute the same value), for transfers between GPUs that should not touch the host.
+# A checksum names its kind: "sum64" ones start with "s"; the receiver checks with the sender's kind.
+CHECKSUM_KINDS = ("crc", "sum64")
+_SUM64_CHUNK = 8 << 20  # elements per pass (bounds the int64 temporaries)
+_M64 = (1 << 64) - 1
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GAMMA, _C1, _C2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors (wrapping products, logical shifts)."""
+    for shift, mul in ((30, _C1), (27, _C2)):
+        z = (z ^ ((z >> shift) & ((1 << (64 - shift)) - 1))) * mul
+    return z ^ ((z >> 31) & ((1 << 33) - 1))
+
+
+def _sum64(t: torch.Tensor) -> str:
+    words = bits(t.detach().contiguous()).long()  # [numel], each element's bits, sign-extended
+    total = 0
+    for start in range(0, words.numel(), _SUM64_CHUNK):
+        chunk = words[start:start + _SUM64_CHUNK]
+        index = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=chunk.device)
+        total = (total + int(_mix64(chunk + (index + 1) * _GAMMA).sum())) & _M64  # one host read per pass
+    final = int(_mix64(torch.tensor([_signed(total), t.numel() * 64 + t.element_size()])).sum()) & _M64
+    return f"s{final:016x}"
+
+
+def checksum_kind(expected: str) -> str:
+    """The kind of a checksum string ("crc" or "sum64")."""
+    return "sum64" if expected.startswith("s") else "crc"
+
+
+def matches(t: torch.Tensor, expected: str) -> bool:
+    """Whether `t` has the checksum `expected`, computed with that checksum's kind."""
+    return checksum(t, checksum_kind(expected)) == expected
+
+
+def checksum(t: torch.Tensor, kind: str = "crc") -> str:
+    """The checksum of the tensor's bytes in C order: "crc" (16 hex digits) or "sum64" ("s" + 16)."""
+    if kind == "sum64":
+        return _sum64(t)
+    if kind != "crc":
+        raise ValueError(f"checksum kind must be one of {CHECKSUM_KINDS}, got {kind!r}")
     flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
     crc, adler = 0, 1
     for start in range(0, flat.numel(), _CHECKSUM_CHUNK):
@@ -73,11 +121,11 @@ class EncodedTensor:
 
 
 def encode_tensor(name: str, new: torch.Tensor, base: torch.Tensor | None, base_checksum: str, *,
-                  max_delta_share: float, compression: str, level: int) -> EncodedTensor:
+                  max_delta_share: float, compression: str, level: int, kind: str = "crc") -> EncodedTensor:
     """Encode `new` (contiguous, rollout dtype) as full or as a delta against `base`, whichever is smaller."""
     dtype = DTYPE_NAMES[new.dtype]
     full = TensorEntry(name=name, shape=tuple(new.shape), dtype=dtype, encoding="full", bucket=0, offset=0,
-                       nbytes=new.numel() * new.element_size(), checksum=checksum(new))
+                       nbytes=new.numel() * new.element_size(), checksum=checksum(new, kind))
     if base is None or base.shape != new.shape or base.dtype != new.dtype:
         return EncodedTensor(full, new, new.numel())
     old_bits, new_bits = bits(base), bits(new)
@@ -103,7 +151,7 @@ def encode_tensor(name: str, new: torch.Tensor, base: torch.Tensor | None, base_
 
 
 def pack(encoded: list[EncodedTensor], version: int, base_version: int | None, bucket_bytes: int,
-         device: torch.device) -> tuple[Manifest, list[torch.Tensor]]:
+         device: torch.device, kind: str = "crc") -> tuple[Manifest, list[torch.Tensor]]:
     """Place segments into uint8 buckets of at most `bucket_bytes` (a bigger segment gets its own)."""
     placed, sizes = [], []
     for enc in encoded:
@@ -117,7 +165,7 @@ def pack(encoded: list[EncodedTensor], version: int, base_version: int | None, b
     for enc, entry in zip(encoded, placed):
         buckets[entry.bucket][entry.offset:entry.offset + entry.nbytes] = enc.data.reshape(-1).view(torch.uint8)
     manifest = Manifest(version=version, base_version=base_version,
-                        buckets=tuple(BucketEntry(b.numel(), checksum(b)) for b in buckets),
+                        buckets=tuple(BucketEntry(b.numel(), checksum(b, kind)) for b in buckets),
                         tensors=tuple(placed))
     return manifest, buckets
 
@@ -139,7 +187,7 @@ def verify_buckets(manifest: Manifest, buckets: list[torch.Tensor]) -> None:
         if bucket.dtype != torch.uint8 or bucket.dim() != 1 or bucket.numel() != meta.nbytes:
             raise WeightSyncError(f"payload: bucket {i} is {bucket.dtype} {tuple(bucket.shape)}, "
                                   f"expected uint8 [{meta.nbytes}]")
-        if checksum(bucket) != meta.checksum:
+        if not matches(bucket, meta.checksum):
             raise WeightSyncError(f"payload: bucket {i} checksum mismatch (corrupted transfer)")
 
 
@@ -149,7 +197,7 @@ def decode_entry(entry: TensorEntry, bucket: torch.Tensor) -> StagedTensor:
     segment = bucket[entry.offset:entry.offset + entry.nbytes]
     if entry.encoding == "full":
         data = segment.view(dtype).view(entry.shape)
-        if checksum(data) != entry.checksum:
+        if not matches(data, entry.checksum):
             raise WeightSyncError(f"tensor {entry.name!r}: checksum mismatch")
         check_finite(entry.name, data)
         return StagedTensor(entry, data=data)

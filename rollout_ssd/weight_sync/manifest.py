@@ -163,8 +163,10 @@ def _choice(value: object, choices, where: str) -> str:
 
 
 def _checksum(value: object, where: str) -> str:
-    if not isinstance(value, str) or len(value) != 16 or any(c not in "0123456789abcdef" for c in value):
-        raise WeightSyncError(f"manifest: {where} must be 16 lowercase hex digits, got {value!r}")
+    digits = value[1:] if isinstance(value, str) and value.startswith("s") else value  # "sum64": "s" + 16
+    if not isinstance(digits, str) or len(digits) != 16 or any(c not in "0123456789abcdef" for c in digits):
+        raise WeightSyncError(f"manifest: {where} must be 16 lowercase hex digits (\"s\" first for sum64), "
+                              f"got {value!r}")
     return value
 
 

@@ -24,8 +24,8 @@ from .codec import (
     apply_xors,
     bits,
     check_finite,
-    checksum,
     decode_entry,
+    matches,
     verify_buckets,
 )
 from .errors import TransportError, WeightSyncError
@@ -173,7 +173,7 @@ class StagedUpdate:
         _check_spec(st.entry, (tuple(param.shape), param.dtype))
         if st.entry.encoding == "full":
             return param, None
-        if self._receiver.config.verify_base and checksum(param) != st.entry.base_checksum:
+        if self._receiver.config.verify_base and not matches(param, st.entry.base_checksum):
             raise WeightSyncError(f"tensor {name!r}: current weights are not the delta's base "
                                   f"(version {self.base_version}); a full transfer is needed")
         new_bits = apply_xors(bits(param.contiguous()), st)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .codec import checksum, encode_tensor, pack
+from .codec import CHECKSUM_KINDS, checksum, checksum_kind, encode_tensor, pack
 from .errors import TransportError, WeightSyncError
 from .manifest import DTYPE_NAMES, DTYPES
 from .transport import Packet, Transport
@@ -30,7 +30,9 @@ class SenderConfig:
     """dtype: rollout dtype floating tensors are cast to. bucket_bytes: target bucket size (a larger
     tensor gets a bucket of its own). delta: allow exact deltas. compression: "zlib" | "none" for delta
     segments (kept only when it shrinks them). max_delta_share: above this share of changed elements a
-    tensor is sent full. check_finite: refuse to send NaN/Inf."""
+    tensor is sent full. check_finite: refuse to send NaN/Inf. checksum: "crc" (zlib's, on the host),
+    "sum64" (computed where the tensors are: no copy to the host; codec.py) or "auto" (sum64 when the
+    weights are on a GPU, else crc). Receivers check with the kind each checksum names."""
 
     dtype: torch.dtype | str = torch.bfloat16
     bucket_bytes: int = 256 << 20
@@ -39,6 +41,7 @@ class SenderConfig:
     compression_level: int = 1
     max_delta_share: float = 0.5
     check_finite: bool = True
+    checksum: str = "auto"
 
     def __post_init__(self):
         dtype = DTYPES.get(self.dtype) if isinstance(self.dtype, str) else self.dtype
@@ -47,6 +50,8 @@ class SenderConfig:
         object.__setattr__(self, "dtype", dtype)
         if self.bucket_bytes < 1:
             raise ValueError(f"SenderConfig.bucket_bytes must be >= 1, got {self.bucket_bytes}")
+        if self.checksum not in ("auto", *CHECKSUM_KINDS):
+            raise ValueError(f"SenderConfig.checksum must be 'auto' or one of {CHECKSUM_KINDS}, got {self.checksum!r}")
         if self.compression not in ("zlib", "none"):
             raise ValueError(f"SenderConfig.compression must be 'zlib' or 'none', got {self.compression!r}")
         if not 0 <= self.compression_level <= 9:
@@ -103,11 +108,16 @@ class WeightSender:
     def pending_version(self) -> int | None:
         return self._pending_version if self._pending is not None else None
 
+    def _kind(self, t: torch.Tensor) -> str:
+        if self.config.checksum != "auto":
+            return self.config.checksum
+        return "crc" if t.device.type == "cpu" else "sum64"
+
     def seed(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Declare that every receiver already holds these tensors at `version` (e.g. all loaded the
         same checkpoint), so the first transfer can be a delta. Nothing is sent."""
         self._check_new_version(version)
-        self._committed = {name: (t, checksum(t)) for name, t in self._cast_all(named_tensors)}
+        self._committed = {name: (t, checksum(t, self._kind(t))) for name, t in self._cast_all(named_tensors)}
         self._committed_version = self._last_version = version
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
@@ -122,14 +132,19 @@ class WeightSender:
             base = None if force_full or not cfg.delta else self._committed.get(name)
             if base is not None and base[0].device != new.device:
                 base = (base[0].to(new.device), base[1])
+            kind = self._kind(new)
+            if base is not None and checksum_kind(base[1]) != kind:
+                base = (base[0], checksum(base[0], kind))  # the base's checksum in this transfer's kind
             enc = encode_tensor(name, new, base[0] if base else None, base[1] if base else "",
                                 max_delta_share=cfg.max_delta_share, compression=cfg.compression,
-                                level=cfg.compression_level)
+                                level=cfg.compression_level, kind=kind)
             encoded.append(enc)
             pending[name] = (new, enc.entry.checksum)
         num_delta = sum(e.entry.encoding == "delta" for e in encoded)
         base_version = self._committed_version if num_delta else None
-        manifest, buckets = pack(encoded, version, base_version, cfg.bucket_bytes, torch.device(device or "cpu"))
+        device = torch.device(device or "cpu")
+        manifest, buckets = pack(encoded, version, base_version, cfg.bucket_bytes, device,
+                                 kind=self._kind(torch.empty(0, device=device)))
         packet = Packet(version=version, manifest=manifest.to_tensor(), buckets=tuple(buckets))
         encoded_at = time.perf_counter()
         self._last_version = version
