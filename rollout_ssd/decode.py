@@ -23,12 +23,18 @@ from rollout_ssd.sequence import Sequence
 from rollout_ssd.spec.verify import DraftDistribution, VerifyResult, verify
 
 
-def sample_rows(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:
-    """One token per row from the target law, with its docs/DESIGN.md logprob. logits: [B, V]."""
+def draw_rows(seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from the target law, with its docs/DESIGN.md logprob, where the logits are.
+    logits: [B, V]. Returns tokens [B] int64 and logprobs [B] float32."""
     temperature, top_k, top_p = row_params(seqs)
     probs = target_probs(logits, temperature, top_k, top_p)
     tokens = draw_tokens(probs, temperature <= 0, [s.generator for s in seqs])
-    logprobs = full_logprobs(logits, temperature).gather(1, tokens[:, None]).squeeze(1)
+    return tokens, full_logprobs(logits, temperature).gather(1, tokens[:, None]).squeeze(1)
+
+
+def sample_rows(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """`draw_rows`, on the host: token ids and logprobs as lists."""
+    tokens, logprobs = draw_rows(seqs, logits)
     both = torch.stack([tokens.double(), logprobs.double()]).tolist()  # one host sync (ids < 2^53: exact)
     return [int(t) for t in both[0]], [float(lp) for lp in both[1]]
 
@@ -38,23 +44,17 @@ def chain_lengths(seqs: list[Sequence], k: int) -> list[int]:
     return [max(0, min(k, s.budget - 1)) for s in seqs]
 
 
-def ar_step(runner: ModelRunner, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
-    """One AR decode step: a decode forward over each row's last token, then one token per row from the
-    target law (with its logprob)."""
-    logits = runner.decode([s.slot for s in seqs], [s.last_token for s in seqs])
-    return sample_rows(seqs, logits)
-
-
 def ar_verdict(runner: ModelRunner, seqs: list[Sequence]) -> VerifyResult:
-    """An AR round (`ar_step`) as a verdict with nothing proposed. Not `verify` with empty chains: that
-    builds the target law for a K+1-token verify and judges nothing, and costs more per round."""
-    tokens, logprobs = ar_step(runner, seqs)
-    n = len(seqs)
-    return VerifyResult(tokens=torch.tensor(tokens, dtype=torch.int64)[:, None],  # [B, 1]
-                        num_emitted=torch.ones(n, dtype=torch.int64),
-                        num_accepted=torch.zeros(n, dtype=torch.int64),
-                        rejected=torch.zeros(n, dtype=torch.bool),
-                        logprobs=torch.tensor(logprobs, dtype=torch.float32)[:, None])  # [B, 1]
+    """An AR round (one decode forward over each row's last token, then one token per row from the target
+    law) as a verdict with nothing proposed, left where the logits are for `finish_round`'s one transfer.
+    Not `verify` with empty chains: that builds the target law for a K+1-token verify and judges nothing,
+    and costs more per round."""
+    logits = runner.decode([s.slot for s in seqs], [s.last_token for s in seqs])
+    tokens, logprobs = draw_rows(seqs, logits)
+    n, dev = len(seqs), tokens.device
+    return VerifyResult(tokens=tokens[:, None], num_emitted=torch.ones(n, dtype=torch.int64, device=dev),  # [B, 1]
+                        num_accepted=torch.zeros(n, dtype=torch.int64, device=dev),
+                        rejected=torch.zeros(n, dtype=torch.bool, device=dev), logprobs=logprobs[:, None])
 
 
 def verify_round(runner: ModelRunner, seqs: list[Sequence], chains: list[list[int]],
