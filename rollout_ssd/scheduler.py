@@ -186,13 +186,15 @@ class Scheduler:
                         paused = False
                     idle = not self._live or (self._closed and not inline)
                 if idle:
-                    self.apply_updates([])  # updates queued during the last round apply now
                     with self._cond:
                         self._take_inbox()
                         if not self._live or self._closed:
+                            # updates queued during the last round apply now, under the lock: one queued
+                            # after this point finds no driver (`when_idle`) and is applied by its sender
+                            self.apply_updates([])
                             self._stop_driving()
                             break
-                    continue
+                    continue  # new requests arrived: the next round applies pending updates first
                 if paused:
                     self._drop_cancelled()
                     self.apply_updates(self.running)

@@ -93,7 +93,8 @@ class UpdateQueue:
             except WeightSyncError as err:
                 if isinstance(err, TransportError) and closed():
                     return
-                self.rejected += 1
+                with self._lock:
+                    self.rejected += 1
                 log.warning("%s: transfer rejected, %s: %s", self.holder.label,
                             self.holder.stays.format(self.version), err)
                 if isinstance(err, TransportError):
@@ -142,7 +143,9 @@ class TargetWeights:
         pass
 
     def check(self, update: NamedUpdate, queue: UpdateQueue) -> None:
-        update.validate(self._params(), queue.version)
+        # against the newest version accepted, not the one applied: v5 then v3 queued in one round would
+        # otherwise both be accepted and leave the engine serving v3 (as the draft's check already does)
+        update.validate(self._params(), queue.newest)
 
     def write(self, update, queue: UpdateQueue) -> None:
         update.apply_to(self._params())

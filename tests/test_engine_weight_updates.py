@@ -59,6 +59,57 @@ def test_update_weights_in_process(setup):
     assert engine.metrics()["sync/version"] == 3
 
 
+def test_an_older_version_queued_behind_a_newer_one_is_refused(setup):
+    """Updates queued while rounds run are checked against the newest accepted version, not the applied
+    one: v5 then v3 in one round would otherwise leave the engine serving v3."""
+    hf, loaded = setup
+    engine = RolloutEngine(loaded, SpecConfig(method="ar"), EngineConfig(max_batch_size=2, max_model_len=64))
+    try:
+        request = engine.submit(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True))
+        engine.pause()  # the driver holds the request between rounds: updates queue
+        deadline = time.monotonic() + 10
+        while not engine.scheduler.counts().get("running") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        engine.update_weights(_named(hf), version=5)
+        with pytest.raises(ValueError, match="newest version"):
+            engine.update_weights(_named(hf), version=3)
+        engine.resume()
+        assert request.result()[0].weight_version == 5
+        assert engine.weight_version == 5
+    finally:
+        engine.close()
+
+
+def test_an_update_submitted_as_the_driver_stops_is_applied(setup, monkeypatch):
+    """The driver's last apply and its stop are one step under the scheduler's lock: an update handed in
+    from another thread at that moment waits for the driver to stop and is then applied by its sender,
+    not left queued until the next `sample` call. The update is handed in deterministically right after
+    the driver's final apply (the thread is given 0.3 s: it either blocks on the lock or, without the
+    fix, queues the update behind a driver that is about to stop)."""
+    import threading
+
+    hf, loaded = setup
+    engine = RolloutEngine(loaded, SpecConfig(method="ar"), EngineConfig(max_batch_size=2, max_model_len=64))
+    apply, threads = engine.scheduler.apply_updates, []
+
+    def apply_then_hand_in(running):
+        changed = apply(running)
+        if not running and engine.scheduler.driving and len(threads) < 5:  # an idle driver's apply
+            t = threading.Thread(target=engine.update_weights, args=(_named(hf), 10 + len(threads)))
+            threads.append(t)
+            t.start()
+            t.join(0.3)
+        return changed
+
+    monkeypatch.setattr(engine.scheduler, "apply_updates", apply_then_hand_in)
+    engine.sample(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))
+    for t in threads:
+        t.join(10)
+    assert threads  # the driver's idle apply was reached
+    assert engine.weight_version == 10 + len(threads) - 1  # the last one handed in is served
+    engine.close()
+
+
 @pytest.mark.parametrize("bad,match", [
     ("unknown", "unknown tensor"), ("shape", "shape"), ("nan", "NaN"), ("version", "version"),
 ])
