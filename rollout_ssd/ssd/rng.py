@@ -23,51 +23,30 @@ import hashlib
 
 import torch
 
-_M64 = (1 << 64) - 1
-
-
-def _signed(x: int) -> int:
-    x &= _M64
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-GAMMA = _signed(0x9E3779B97F4A7C15)
-_C1 = _signed(0xBF58476D1CE4E5B9)
-_C2 = _signed(0x94D049BB133111EB)
+from rollout_ssd.weight_sync.mix64 import GAMMA, M64, mix64, signed64, srl
 
 
 def draft_key(seed: int, prompt_index: int, sample_index: int) -> int:
     """A signed 64-bit key that depends only on (seed, prompt index, sample index)."""
     digest = hashlib.blake2b(f"{seed}:{prompt_index}:{sample_index}:ssd-draft".encode(), digest_size=8).digest()
-    return _signed(int.from_bytes(digest, "little"))
-
-
-def _srl(z: torch.Tensor, n: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (z >> n) & ((1 << (64 - n)) - 1)
-
-
-def _mix(z: torch.Tensor) -> torch.Tensor:
-    z = (z ^ _srl(z, 30)) * _C1
-    z = (z ^ _srl(z, 27)) * _C2
-    return z ^ _srl(z, 31)
+    return signed64(int.from_bytes(digest, "little"))
 
 
 def draft_uniforms(keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """U[0, 1) per row for the draft token at absolute index `index` of the sequence with key `keys`.
 
     keys, index: [N] int64. Returns float64 [N] (53 random bits)."""
-    z = _mix(_mix(keys.long() + (index.long() + 1) * GAMMA))
-    return _srl(z, 11).double() * 2.0**-53
+    z = mix64(mix64(keys.long() + (index.long() + 1) * GAMMA))
+    return srl(z, 11).double() * 2.0**-53
 
 
 def draft_uniform_reference(key: int, index: int) -> float:
     """Pure-Python reference of `draft_uniforms` (for tests)."""
 
     def mix(z: int) -> int:
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
         return z ^ (z >> 31)
 
-    z = mix(mix((key + (index + 1) * 0x9E3779B97F4A7C15) & _M64))
+    z = mix(mix((key + (index + 1) * 0x9E3779B97F4A7C15) & M64))
     return (z >> 11) * 2.0**-53

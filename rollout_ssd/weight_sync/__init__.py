@@ -6,6 +6,7 @@ then `wait_ack`); a rollout process builds a `WeightReceiver` over the matching 
 a transfer is a JSON manifest plus uint8 buckets, both sent as tensors.
 
     codec.py        full / exact-delta encoding, bucket packing, checksums, strict decoding
+    mix64.py        splitmix64 on int64 tensors (the sum64 checksum; also the SSD draft's uniforms)
     manifest.py     the per-transfer manifest (JSON) and its strict parser
     sender.py       WeightSender, SenderConfig, TransferStats (commit on acknowledgement)
     receiver.py     WeightReceiver, StagedUpdate, ReceiverConfig, ReceiveStats

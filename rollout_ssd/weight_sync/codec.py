@@ -37,6 +37,7 @@ from .manifest import (
     Manifest,
     TensorEntry,
 )
+from .mix64 import GAMMA, M64, mix64, signed64
 
 INT_VIEWS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHECKSUM_CHUNK = 64 << 20
@@ -59,31 +60,14 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 # A checksum names its kind: "sum64" ones start with "s"; the receiver checks with the sender's kind.
 CHECKSUM_KINDS = ("crc", "sum64")
 _SUM64_CHUNK = 8 << 20  # elements per pass (bounds the int64 temporaries)
-_M64 = (1 << 64) - 1
-
-
-def _signed(c: int) -> int:
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-_GAMMA, _C1, _C2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
-
-
-def _mix64(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64 tensors (wrapping products, logical shifts)."""
-    for shift, mul in ((30, _C1), (27, _C2)):
-        z = (z ^ ((z >> shift) & ((1 << (64 - shift)) - 1))) * mul
-    return z ^ ((z >> 31) & ((1 << 33) - 1))
-
-
 def _sum64(t: torch.Tensor) -> str:
-    words = bits(t.detach().contiguous()).long()  # [numel], each element's bits, sign-extended
+    words = bits(t.detach().contiguous())  # [numel], each element's bits
     total = 0
     for start in range(0, words.numel(), _SUM64_CHUNK):
-        chunk = words[start:start + _SUM64_CHUNK]
+        chunk = words[start:start + _SUM64_CHUNK].long()  # sign-extended, one pass at a time
         index = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=chunk.device)
-        total = (total + int(_mix64(chunk + (index + 1) * _GAMMA).sum())) & _M64  # one host read per pass
-    final = int(_mix64(torch.tensor([_signed(total), t.numel() * 64 + t.element_size()])).sum()) & _M64
+        total = (total + int(mix64(chunk + (index + 1) * GAMMA).sum())) & M64  # one host read per pass
+    final = int(mix64(torch.tensor([signed64(total), t.numel() * 64 + t.element_size()])).sum()) & M64
     return f"s{final:016x}"
 
 
