@@ -87,14 +87,13 @@ class RolloutEngine:
 
         dev = check_device(device)
         spec = spec or SpecConfig()
-        if draft_device is not None:
-            check_device(draft_device, "draft_device")
+        draft_dev = check_device(draft_device, "draft_device") if draft_device is not None else None
+        if draft_dev is not None:
             if spec.method != "ssd":
                 raise ValueError(f"draft_device applies to SpecConfig.method='ssd' (SD's draft runs on `device`), "
                                  f"got method={spec.method!r}")
         if spec.method == "ssd" and spec.draft_device is None:
-            spec = dataclasses.replace(spec, draft_device=str(check_device(draft_device) if draft_device
-                                                                else default_draft_device(dev)))
+            spec = dataclasses.replace(spec, draft_device=str(draft_dev or default_draft_device(dev)))
         reject_unknown(EngineConfig, engine_options)
         loaded = load_pretrained(target, dtype=dtype)
         loaded.model.to(dev)

@@ -28,8 +28,8 @@ class ModelRunner:
 
     def use_static_steps(self, buckets=None, graphs: Optional[bool] = None) -> None:
         """Run equal-length batches through static-shape steps per batch bucket (rollout_ssd/gpu/graphs.py),
-        captured as CUDA graphs on a CUDA device; rows of unequal length, explicit positions or masks and
-        restricted heads still run eagerly. On a CPU the static steps run eagerly (what the tests check)."""
+        captured as CUDA graphs on a CUDA device; rows of unequal length, explicit positions or masks, and
+        head-only logits still run eagerly. On a CPU the static steps run eagerly (what the tests check)."""
         from rollout_ssd.gpu.graphs import BUCKETS, GraphedSteps
 
         self.static = GraphedSteps(self.model, self.cache, buckets or BUCKETS, graphs=graphs)

@@ -97,3 +97,13 @@ def test_default_draft_device_is_the_next_gpu_or_the_targets():
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
         assert default_draft_device(torch.device("cuda", 0)) == torch.device("cuda", 1 if count > 1 else 0)
+
+
+def test_resolved_names_one_device_one_way():
+    import torch
+
+    from rollout_ssd.gpu.devices import resolved
+
+    assert resolved("cpu") == torch.device("cpu")
+    if torch.cuda.is_available():
+        assert resolved("cuda") == resolved(f"cuda:{torch.cuda.current_device()}")

@@ -137,3 +137,12 @@ def test_engine_with_static_steps_gives_the_same_greedy_tokens(method, tmp_path)
         engine.close()
         assert used == graphs
     assert out[True] == out[False]
+
+
+def test_graphed_steps_refuse_a_shape_they_have_no_step_for(tiny):
+    runner = ModelRunner(tiny, num_slots=2, max_len=64)
+    steps = GraphedSteps(tiny, runner.cache, buckets=(1,))
+    with pytest.raises(ValueError, match="no static step for 2 rows"):
+        steps.run([0, 1], [[1], [2]])
+    with pytest.raises(ValueError, match="at most 16 tokens"):
+        steps.run([0], [list(range(17))])

@@ -20,6 +20,15 @@ def check_device(device: str, what: str = "device") -> torch.device:
     return dev
 
 
+def resolved(device: torch.device | str) -> torch.device:
+    """`device` with its index filled in ("cuda" -> "cuda:N", the current device), so two names of one
+    device compare equal."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def default_draft_device(target: torch.device) -> torch.device:
     """SSD's draft side: the next GPU after the target's when there is one (the paper's layout: the draft
     on hardware of its own), else the target's own device (a second stream on the same GPU)."""

@@ -65,8 +65,6 @@ class StaticStep:
         self.tokens = torch.zeros(rows, t, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, t, dtype=torch.long, device=device)
         self.slot = torch.full((rows,), cache.scratch_slot, dtype=torch.long, device=device)
-        self.start = torch.zeros(rows, dtype=torch.long, device=device)
-        self._offsets = torch.arange(t, device=device)
         self._keys = torch.arange(cache.max_len, device=device)
         self.output: Optional[torch.Tensor] = None
         self.graph = None  # a torch.cuda.CUDAGraph once captured
@@ -88,7 +86,6 @@ class StaticStep:
         self.tokens.copy_(host[0])
         self.positions.copy_(host[1])
         self.slot.copy_(host[2, :, 0])
-        self.start.copy_(host[1, :, 0])
 
     def forward(self) -> torch.Tensor:
         """The step on the current inputs (what a graph captures). Writes K/V; leaves `cache.lengths`
@@ -182,6 +179,9 @@ class GraphedSteps:
         if not slots:
             raise ValueError("a step needs at least one row")
         t = len(tokens[0])
+        if not self.fits(len(slots), t):
+            raise ValueError(f"no static step for {len(slots)} rows of {t} tokens (buckets {self.buckets}, "
+                             f"at most {MAX_STEP_TOKENS} tokens)")
         starts = [self.cache.lengths[s] for s in slots]
         step = self._step(StepKey(bucket_for(len(slots), self.buckets), t, last_only))
         step.load(slots, tokens, starts)

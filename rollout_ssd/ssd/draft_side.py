@@ -154,11 +154,14 @@ class DraftSide:
     def _start_client(self, worker: bool) -> DraftClient:
         params = self.draft_model.hf_parameters()
         self._shared_stamps = {n: _stamp(params[n]) for n in self._shared_names}  # what the draft side holds
-        device = torch.device(self.config.draft_device) if self.config.draft_device else self.draft_model.embed.device
+        from rollout_ssd.gpu.devices import resolved
+
+        here = self.draft_model.embed.device
+        device = resolved(self.config.draft_device) if self.config.draft_device else here
         if worker and concurrent_draft_side(device) == "thread":
             from rollout_ssd.ssd.thread_client import ThreadDraftClient
 
-            model = self.draft_model if device == self.draft_model.embed.device else \
+            model = self.draft_model if device == resolved(here) else \
                 copy.deepcopy(self.draft_model).to(device)  # its own copy on its own device
             return ThreadDraftClient(self._local_server(model), timeout=self.config.worker_timeout)
         if worker:

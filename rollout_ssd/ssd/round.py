@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from rollout_ssd.decode import DecodeStrategy, RoundOutcome, ar_verdict, chain_lengths, finish_round, verify_round
+from rollout_ssd.gpu.timing import DeviceTimer
 from rollout_ssd.metrics import EngineMetrics
 from rollout_ssd.models.decoder import Decoder
 from rollout_ssd.runner import ModelRunner
@@ -78,8 +79,10 @@ class SSDDecode(DecodeStrategy):
         # 2. the chains to the draft side, which builds the next cache from them (a worker: during step 3)
         told = rnd.reply is not None and self.draft.build(running, rnd.chains, ks, plan.is_ssd, fanout.fanout)
         t2 = time.perf_counter()
-        # 3. each chain verified against its own q (an AR round: the AR engine's step)
+        # 3. each chain verified against its own q (an AR round: the AR engine's step); device time on a GPU
+        timer = DeviceTimer(self.runner.device).start()
         result = self._verify(running, rnd, plan)
+        verify_seconds = timer.stop()
         t3 = time.perf_counter()
         # 4. append, roll back; the verdicts go out in the next round's step 1
         outcome = finish_round(self.runner, running, result)
@@ -88,9 +91,9 @@ class SSDDecode(DecodeStrategy):
             self.backup.on_verified(running, outcome.accepted)
         t4 = time.perf_counter()
         self._count(plan, fanout, rnd, ks, outcome, draft_seconds=(t2 - t0 - calibration) + (t4 - t3),
-                    verify_seconds=t3 - t2)
+                    verify_seconds=verify_seconds)
         self.telemetry.record(plan, fanout, rnd, outcome.emitted,
-                              RoundTimes(time.perf_counter() - t0, t3 - t2, calibration))
+                              RoundTimes(time.perf_counter() - t0, verify_seconds, calibration))
         return outcome.emitted
 
     def _propose(self, running: list[Sequence], ks: list[int], plan: Plan, fanout: FanoutPlan) -> Chains:

@@ -55,8 +55,8 @@ class ThreadDraftClient(DraftClient):
                 if self._error is None:
                     try:
                         reply = self.server.handle(msg)
-                        if self.stream is not None:  # what the reply holds is ready on any stream
-                            self.stream.synchronize()
+                        if wants_reply and self.stream is not None:  # what the reply holds is ready on any
+                            self.stream.synchronize()  # stream (messages run in order on this one)
                     except BaseException as err:  # reported to the caller at its next call
                         self._error = err
                 if wants_reply:

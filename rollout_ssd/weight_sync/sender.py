@@ -108,16 +108,16 @@ class WeightSender:
     def pending_version(self) -> int | None:
         return self._pending_version if self._pending is not None else None
 
-    def _kind(self, t: torch.Tensor) -> str:
+    def _kind(self, device: torch.device) -> str:
         if self.config.checksum != "auto":
             return self.config.checksum
-        return "crc" if t.device.type == "cpu" else "sum64"
+        return "crc" if device.type == "cpu" else "sum64"
 
     def seed(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Declare that every receiver already holds these tensors at `version` (e.g. all loaded the
         same checkpoint), so the first transfer can be a delta. Nothing is sent."""
         self._check_new_version(version)
-        self._committed = {name: (t, checksum(t, self._kind(t))) for name, t in self._cast_all(named_tensors)}
+        self._committed = {name: (t, checksum(t, self._kind(t.device))) for name, t in self._cast_all(named_tensors)}
         self._committed_version = self._last_version = version
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
@@ -132,7 +132,7 @@ class WeightSender:
             base = None if force_full or not cfg.delta else self._committed.get(name)
             if base is not None and base[0].device != new.device:
                 base = (base[0].to(new.device), base[1])
-            kind = self._kind(new)
+            kind = self._kind(new.device)
             if base is not None and checksum_kind(base[1]) != kind:
                 base = (base[0], checksum(base[0], kind))  # the base's checksum in this transfer's kind
             enc = encode_tensor(name, new, base[0] if base else None, base[1] if base else "",
@@ -144,7 +144,7 @@ class WeightSender:
         base_version = self._committed_version if num_delta else None
         device = torch.device(device or "cpu")
         manifest, buckets = pack(encoded, version, base_version, cfg.bucket_bytes, device,
-                                 kind=self._kind(torch.empty(0, device=device)))
+                                 kind=self._kind(device))
         packet = Packet(version=version, manifest=manifest.to_tensor(), buckets=tuple(buckets))
         encoded_at = time.perf_counter()
         self._last_version = version
