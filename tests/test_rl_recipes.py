@@ -275,3 +275,28 @@ def test_weight_sync_group_listens_on_loopback_only(tmp_path):
 def test_integer_fields_refuse_bools_floats_and_zero(cls, field, value):
     with pytest.raises(ValueError, match=f"{cls.__name__}.{field} must be an integer >= 1"):
         cls(**{field: value})
+
+
+def test_rollout_actor_places_its_engine_and_the_learner_picks_the_device_checksum(tmp_path, monkeypatch):
+    """RLConfig.device / draft_device reach from_pretrained (draft_device only under SSD), and a learner
+    feeding an engine on a GPU sends sum64 checksums (checked on the GPU, no copy to the host)."""
+    import types
+
+    from rollout_ssd.rl import actors
+
+    seen = {}
+
+    def fake_from_pretrained(target, **kwargs):
+        seen.update(kwargs)
+        return object()
+
+    monkeypatch.setattr(actors, "resolve_models", lambda cfg: ("target", "draft"))
+    monkeypatch.setattr(actors.RolloutEngine, "from_pretrained", staticmethod(fake_from_pretrained))
+    ssd = tiny(tmp_path, "ray.enabled=false", "device=cuda:0", "draft_device=cuda:1")
+    actors.RolloutWorker(ssd)
+    assert seen["device"] == "cuda:0" and seen["draft_device"] == "cuda:1"
+    actors.RolloutWorker(tiny(tmp_path, "ray.enabled=false", "spec.method=sd", "device=cuda:0", "draft_device=cuda:1"))
+    assert seen["draft_device"] is None  # SD's draft runs on `device`
+    assert actors.LearnerWorker.sender_config(types.SimpleNamespace(cfg=ssd)).checksum == "sum64"
+    on_cpu = tiny(tmp_path, "ray.enabled=false")
+    assert actors.LearnerWorker.sender_config(types.SimpleNamespace(cfg=on_cpu)).checksum == "auto"

@@ -128,3 +128,29 @@ def test_worker_that_cannot_start_falls_back(pair, ar_out):
     assert [r.token_ids for r in engine.sample(PROMPTS, GREEDY)] == ar_out
     engine.close()
     assert _children() == []
+
+
+def test_a_target_update_of_a_shared_tensor_reaches_the_worker(tmp_path):
+    """A draft that shares its embedding with the target (as the built-in draft does) holds a copy of it in
+    the worker; a target update that changes it must reach the worker (the draft side notices the change
+    from the tensor's version counter), and one that leaves it alone must not be re-sent."""
+    from rollout_ssd.ssd.draft_server import weights_digest
+
+    target, draft = tiny_pair(tmp_path, vocab=48)
+    draft.model.embed = target.model.embed  # shared storage, as `share_embedding_from` gives
+    engine = ssd_engine(target, draft, batch=2, k=3, worker=True)
+    try:
+        ssd = engine.strategy
+        assert "model.embed_tokens.weight" in ssd.draft._shared_names
+        before = ssd.draft_digest()
+        embed = target.model.hf_parameters()["model.embed_tokens.weight"]
+        norm = target.model.hf_parameters()["model.norm.weight"]
+        engine.update_weights([("model.norm.weight", norm + 0.5)], version=1)  # not shared: nothing to send
+        assert ssd.draft_digest() == before
+        engine.update_weights([("model.embed_tokens.weight", embed + 0.25)], version=2)
+        after = ssd.draft_digest()
+        assert after != before and after == weights_digest(draft.model.hf_parameters())
+        assert [r.token_ids for r in engine.sample(PROMPTS[:2], GREEDY)] == \
+            [r.token_ids for r in ar_engine(target, 2).sample(PROMPTS[:2], GREEDY)]
+    finally:
+        engine.close()
