@@ -35,7 +35,7 @@ def demo(args) -> int:
 
     params = SamplingParams(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                             seed=args.seed, chat=True)
-    rows, shown = [], False
+    rows, shown, dtype = [], False, None
     for method in _methods(args.methods):
         draft = None
         if method != "ar":
@@ -61,15 +61,30 @@ def demo(args) -> int:
                 print(f"A: {r.text.strip()}")
             shown = True
         rows.append((method, m))
-    print(f"\n{'method':<6} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'accept':>7} {'len/round':>9} {'hit rate':>8}")
+        dtype = engine.target.model.dtype
+    _table(rows, dtype)
+    return 0
+
+
+def _table(rows: list[tuple[str, dict]], dtype) -> None:
+    """The methods side by side, under a line saying what they ran on (CPU kind or GPU, dtype, threads)."""
+    import torch
+
+    from rollout_ssd.models.cpu_backend import cpu_kind
+
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU {cpu_kind()}"
+    print(f"\n{where}, {str(dtype).replace('torch.', '')}, {torch.get_num_threads()} threads")
+    print(f"{'method':<6} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'accept':>7} {'len/round':>9} {'hit rate':>8}"
+          "  rounds by strategy")
     for method, m in rows:
         accept = m.get(names.SPEC_ACCEPT_RATE)
         hit = m.get(names.SSD_HIT_RATE)
         tokens, seconds = m[names.ROLLOUT_TOKENS], m[names.ROLLOUT_SECONDS]
+        rounds = m.get(names.SSD_STRATEGY_ROUNDS)  # SSD's engine picks per round; AR and SD run themselves
+        chosen = ", ".join(f"{k} {v}" for k, v in rounds.items()) if rounds else f"{method} (every round)"
         print(f"{method:<6} {tokens:>7} {seconds:>8.1f} {m[names.ROLLOUT_TOKENS_PER_S]:>9.1f} "
               f"{'-' if accept is None else f'{accept:.2f}':>7} {m[names.ROLLOUT_TOKENS_PER_ROUND]:>9.2f} "
-              f"{'-' if hit is None else f'{hit:.2f}':>8}")
-    return 0
+              f"{'-' if hit is None else f'{hit:.2f}':>8}  {chosen}")
 
 
 def generate(args) -> int:

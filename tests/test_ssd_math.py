@@ -412,6 +412,39 @@ def test_rule_scores_match_theorem7_at_batch_one():
     assert ssd_speedup(0.7, 4.0, 3.5, 1.5, 0.5, 0.5) == pytest.approx((0.7 * 4 + 0.3 * 3.5) / (0.7 * 2.0 + 0.3 * 1.5))
 
 
+def test_plain_speculation_scored_at_its_own_verify_time():
+    """SD's round has no cache build beside it (and on a CPU, the worker's core too): its score uses
+    plain_verify_seconds; SSD's and AR's do not move with it; None means the verify time."""
+    inp = StrategyInputs(p_hit=0.7, tokens={"hit": 4.0, "draft": 3.5, "suffix": 2.0, "random": 1.0},
+                         draft_seconds={"draft": 0.01, "suffix": 0.001, "random": 0.0},
+                         primary_seconds=0.03, verify_seconds=0.02, decode_seconds=0.01, batch_size=2, k=5)
+    base = strategy_scores(inp)
+    fast = strategy_scores(dataclasses.replace(inp, plain_verify_seconds=0.012))
+    assert fast["sd"] == pytest.approx(2 * 3.5 / (0.012 + 0.01)) and base["sd"] == pytest.approx(2 * 3.5 / 0.03)
+    assert fast["suffix"] == pytest.approx(2 * 2.0 / (0.012 + 0.001))
+    assert all(fast[n] == base[n] for n in ("ssd+neural", "ssd+suffix", "ssd+random", "ar"))
+    with pytest.raises(ValueError, match="plain_verify_seconds"):
+        dataclasses.replace(inp, plain_verify_seconds=0.0)
+
+
+def test_plain_verify_estimate_scaled_by_the_two_decode_times_until_measured():
+    est = LiveEstimates(EstimatesConfig(k=3))
+    est.observe_time("verify", 0.03, 4)
+    assert est.inputs(4).plain_verify_seconds == pytest.approx(0.03)  # nothing to scale by yet
+    est.observe_time("decode", 0.012, 4)  # an AR step on every core
+    assert est.inputs(4).plain_verify_seconds == pytest.approx(0.03)  # no narrow step to compare with
+    est.observe_time("decode_narrow", 0.02, 4)  # the same step on the target's own core
+    assert est.inputs(4).plain_verify_seconds == pytest.approx(0.03 * 0.6)
+    assert est.inputs(4).verify_seconds == pytest.approx(0.03)  # SSD's own verify is not scaled
+    est.observe_time("decode", 0.04, 4)
+    est.observe_time("decode", 0.04, 4)  # wider but slower: never scaled above the verify time
+    assert est.inputs(4).plain_verify_seconds == pytest.approx(0.03)
+    est.observe_time("plain_verify", 0.017, 4)  # measured: taken as it is
+    assert est.inputs(4).plain_verify_seconds == pytest.approx(0.017)
+    with pytest.raises(ValueError, match="unknown time"):
+        est.observe_time("plain", 0.01, 4)
+
+
 def test_rule_switches_only_after_winning_in_a_row():
     inp = StrategyInputs(p_hit=0.7, tokens={"hit": 4.0, "draft": 3.5, "suffix": 2.0, "random": 1.0},
                          draft_seconds={"draft": 0.01, "suffix": 0.001, "random": 0.0},

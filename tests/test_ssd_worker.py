@@ -154,3 +154,32 @@ def test_a_target_update_of_a_shared_tensor_reaches_the_worker(tmp_path):
             [r.token_ids for r in ar_engine(target, 2).sample(PROMPTS[:2], GREEDY)]
     finally:
         engine.close()
+
+
+def test_target_takes_the_workers_core_in_rounds_that_leave_it_idle(pair, ar_out):
+    """SSD rounds verify on the target's own core with one thread (the worker builds on the other); AR
+    and SD rounds, which leave the worker idle, verify on every core; greedy stays AR's on every path."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPU cores")
+    import itertools
+
+    import torch
+
+    from rollout_ssd.ssd.chooser import Plan
+
+    wide = (os.sched_getaffinity(0), torch.get_num_threads())  # before the worker takes a core
+    engine = ssd_engine(*pair, batch=3, k=3, fanout=(1, 1, 1, 2), worker=True)
+    ssd = engine.strategy
+    turns = itertools.cycle([Plan.SSD_DRAFT, Plan.AR, Plan.SSD_DRAFT, Plan.SD, Plan.AR])
+    ssd.chooser.choose = lambda batch, fallback=None: next(turns)
+    seen, verify = [], ssd._verify
+    ssd._verify = lambda running, rnd, plan: (seen.append((plan, os.sched_getaffinity(0), torch.get_num_threads())),
+                                               verify(running, rnd, plan))[1]
+    assert [r.token_ids for r in engine.sample(PROMPTS, GREEDY)] == ar_out
+    narrow = ({min(wide[0])}, 1)
+    assert {p for p, _, _ in seen} == {Plan.SSD_DRAFT, Plan.AR, Plan.SD}
+    for plan, cores, threads in seen:
+        assert (cores, threads) == (narrow if plan.is_ssd else wide), plan
+    assert engine.metrics()["ssd/worker_failures"] == 0
+    engine.close()
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == wide

@@ -22,6 +22,7 @@ from rollout_ssd.metrics import EngineMetrics
 from rollout_ssd.runner import ModelRunner
 from rollout_ssd.sequence import Sequence
 from rollout_ssd.ssd.config import SSDConfig
+from rollout_ssd.ssd.cores import TargetCores
 from rollout_ssd.ssd.estimates import LiveEstimates
 from rollout_ssd.ssd.rule import StrategyConfig, StrategyRule
 
@@ -147,7 +148,8 @@ class Chooser:
         else:
             self._measured_rounds += not cold
 
-    def calibrate(self, runner: ModelRunner, running: list[Sequence], cold: bool) -> float:
+    def calibrate(self, runner: ModelRunner, running: list[Sequence], cold: bool,
+                  cores: Optional[TargetCores] = None) -> float:
         """Time one plain AR decode forward of this batch (then undo it), so the rule compares against
         AR's real step time rather than a prior. On a CPU a verify of K+1 tokens costs more than one
         decode step (docs/THEORY.md §3), and without this the rule (and ssd/predicted_speedup) would assume
@@ -156,7 +158,10 @@ class Chooser:
         decision), FIRST_CALIBRATION_GAP rounds later, then every CALIBRATE_EVERY (AR rounds are measured
         as they run); never in a round of first rounds (`cold`, one-off costs). The round calls it between
         the draft side's answer and the chains it is sent: the draft side is idle then, as it is while
-        AR runs, so the step is not slowed by a cache build competing for memory bandwidth.
+        AR runs, so the step is not slowed by a cache build competing for memory bandwidth. With `cores`
+        (a worker process holds a core of its own) the step is timed as AR rounds run, on every core, and
+        once more on the target's own core ("decode_narrow": their ratio scales the plain speculation
+        verify until one is measured); the target is left on its own core.
         Returns the seconds spent."""
         if cold:
             return 0.0
@@ -166,11 +171,23 @@ class Chooser:
         if self._calibrations and self._rounds_since_calibration < gap:
             self._rounds_since_calibration += 1
             return 0.0
-        timer = DeviceTimer(runner.device).start()  # on a GPU: the step's device time, not its launch time
+        seconds = 0.0
+        if cores is not None:
+            cores.narrow()
+            seconds += self._time_step(runner, running, "decode_narrow")
+            cores.widen()
+        seconds += self._time_step(runner, running, "decode")
+        if cores is not None:
+            cores.narrow()
+        self._calibrations, self._rounds_since_calibration = self._calibrations + 1, 0
+        return seconds
+
+    def _time_step(self, runner: ModelRunner, running: list[Sequence], name: str) -> float:
+        """One AR decode forward of the batch, timed as `name` (device time on a GPU), then undone."""
+        timer = DeviceTimer(runner.device).start()
         runner.extend([s.slot for s in running], [[s.last_token] for s in running], last_only=True)
         seconds = timer.stop()
-        self.estimates.observe_time("decode", seconds, len(running))
+        self.estimates.observe_time(name, seconds, len(running))
         for seq in running:
             runner.rollback(seq.slot, seq.num_tokens - 1)
-        self._calibrations, self._rounds_since_calibration = self._calibrations + 1, 0
         return seconds

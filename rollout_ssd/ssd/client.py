@@ -24,6 +24,7 @@ class WorkerFailure(RuntimeError):
 
 class DraftClient(ABC):
     in_process: bool = True
+    cores = None  # a TargetCores where the draft side holds CPU cores of its own (the worker process)
 
     @abstractmethod
     def send(self, msg: Message) -> None:

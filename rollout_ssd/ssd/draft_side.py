@@ -138,6 +138,11 @@ class DraftSide:
             self._fail(err)
 
     @property
+    def cores(self):
+        """The target's CPU share beside a worker process (a TargetCores, ssd/cores.py), or None."""
+        return self.client.cores if self.client is not None else None
+
+    @property
     def fallback(self) -> Optional[Plan]:
         """None while healthy; after a failure, what the rounds run instead (SD in process, or AR)."""
         if not self.failed:

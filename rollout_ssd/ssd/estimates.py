@@ -161,6 +161,10 @@ class LiveEstimates:
 
     PATHS = ("hit",) + SPECULATORS
     TIMES = ("verify", "primary", "overhead", "decode") + SPECULATORS
+    # no priors: "plain_verify" (the verify of a round with no cache build beside it: SD's, suffix's) is
+    # the verify time scaled by decode / "decode_narrow" (an AR step on the target's own core, with the
+    # worker holding the other; ssd/cores.py) until measured; on no split the two decode times agree
+    UNPRIORED = ("plain_verify", "decode_narrow")
 
     def __init__(self, config: EstimatesConfig):
         self.config = config
@@ -174,6 +178,8 @@ class LiveEstimates:
         self._times = {name: _BatchTimes((lambda: _RecentMedian(self.DECODE_WINDOW)) if name == "decode"
                                          else (lambda: _Mean(d)))
                        for name in self.TIMES}
+        self._times.update({name: _BatchTimes(lambda: _RecentMedian(self.DECODE_WINDOW)) if name == "decode_narrow"
+                            else _BatchTimes(lambda: _Mean(d)) for name in self.UNPRIORED})
 
     def observe_cache(self, hits: int, misses: int) -> None:
         """Sequences whose verdict was found in the speculation cache this round, and those that were not."""
@@ -198,9 +204,10 @@ class LiveEstimates:
     def observe_time(self, name: str, seconds: float, batch: int) -> None:
         """A measured time per round of a batch of `batch` sequences: "verify", "primary" (T_p),
         "overhead" (T_o), "decode" (one AR step), or a speculator name (the target's wait for K tokens
-        drafted with it: T_SD for "draft", T_b for backups)."""
-        if name not in self.TIMES:
-            raise ValueError(f"unknown time {name!r}; known: {self.TIMES}")
+        drafted with it: T_SD for "draft", T_b for backups), "plain_verify" (the verify of a plain
+        speculation round), "decode_narrow" (an AR step on the target's own core beside the worker)."""
+        if name not in self._times:
+            raise ValueError(f"unknown time {name!r}; known: {self.TIMES + self.UNPRIORED}")
         if not seconds >= 0:
             raise ValueError(f"time must be >= 0, got {seconds!r}")
         if not isinstance(batch, int) or batch < 1:
@@ -219,7 +226,9 @@ class LiveEstimates:
 
     def seconds(self, name: str, batch: int) -> float:
         """A time estimate at `batch` sequences; before any measurement of it: its prior in verify units
-        times the verify time."""
+        times the verify time ("plain_verify": the verify time, scaled as UNPRIORED says)."""
+        if name == "plain_verify":
+            return self._plain_verify_seconds(batch)
         t = self._times[name].value(batch)
         if t is not None:
             return t
@@ -227,6 +236,14 @@ class LiveEstimates:
         if verify is None:
             raise ValueError(f"no measurement of {name!r} nor of the verify time yet")
         return self.config.prior_time_units[name] * verify
+
+    def _plain_verify_seconds(self, batch: int) -> float:
+        t = self._times["plain_verify"].value(batch)
+        if t is not None:
+            return t
+        verify = self.seconds("verify", batch)
+        wide, narrow = self._times["decode"].value(batch), self._times["decode_narrow"].value(batch)
+        return verify * min(1.0, wide / narrow) if wide is not None and narrow else verify
 
     def inputs(self, batch_size: int) -> StrategyInputs:
         k = self.config.k
@@ -237,6 +254,7 @@ class LiveEstimates:
             primary_seconds=self.seconds("primary", batch_size),
             overhead_seconds=self.seconds("overhead", batch_size),
             verify_seconds=self.seconds("verify", batch_size),
+            plain_verify_seconds=self.seconds("plain_verify", batch_size),
             decode_seconds=self.seconds("decode", batch_size),
             batch_size=batch_size,
             k=k,

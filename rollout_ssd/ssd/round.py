@@ -75,11 +75,17 @@ class SSDDecode(DecodeStrategy):
         ks = chain_lengths(running, self.k)
         # 1. the last verdicts out, this round's chains in (the cache, the draft on demand, a fast backup)
         rnd = self._propose(running, ks, plan, fanout)
-        calibration = self.chooser.calibrate(self.runner, running, rnd.cold) if plan is not Plan.AR else 0.0
+        cores = self.draft.cores  # the target's CPU share beside a worker process (ssd/cores.py), if any
+        calibration = self.chooser.calibrate(self.runner, running, rnd.cold, cores) if plan is not Plan.AR else 0.0
         # 2. the chains to the draft side, which builds the next cache from them (a worker: during step 3)
         told = rnd.reply is not None and self.draft.build(running, rnd.chains, ks, plan.is_ssd, fanout.fanout)
         t2 = time.perf_counter()
-        # 3. each chain verified against its own q (an AR round: the AR engine's step); device time on a GPU
+        # 3. each chain verified against its own q (an AR round: the AR engine's step); device time on a GPU.
+        # The target keeps to its own core while the worker builds beside it, and takes both otherwise
+        if cores is not None and plan.is_ssd:
+            cores.narrow()
+        elif cores is not None:
+            cores.widen()
         timer = DeviceTimer(self.runner.device).start()
         result = self._verify(running, rnd, plan)
         verify_seconds = timer.stop()
@@ -138,6 +144,9 @@ class SSDDecode(DecodeStrategy):
     def before_prefill(self, seqs: list[Sequence]) -> None:
         """Admit to the draft side before the target prefills, so the worker's prefill overlaps the
         target's (an engine hook; without it `on_admit` does the same after the target's prefill)."""
+        cores = self.draft.cores
+        if cores is not None:  # the worker prefills its draft beside the target's prefill
+            cores.narrow()
         self.on_admit(seqs)
 
     def on_admit(self, seqs: list[Sequence]) -> None:

@@ -12,7 +12,8 @@ miss makes the whole batch wait for the backup. `StrategyRule` scores every stra
 second with
 
     ssd+X:  b·[p·E_hit + (1-p)·E_X] / ( p^b·(max(1, T_p) + T_o) + (1 - p^b)·(1 + T_X) ) / t_verify
-    sd, suffix (plain speculation with that speculator):  b·E / (1 + T_draft) / t_verify
+    sd, suffix (plain speculation with that speculator):  b·E / (t_plain + t_draft)
+(t_plain: the verify of a round with no cache build beside it, t_verify where the two cost the same)
     ar:     b / t_decode
 
 which is Theorem 7 at b = 1 and Theorem 17's two expressions when T_p <= 1 and the fast backup costs 0,
@@ -99,6 +100,8 @@ class StrategyInputs:
     draft_seconds: time to draft K tokens serially with each speculator (SD / backup latency T_b).
     primary_seconds: T_p, cache construction per round. decode_seconds: one AR decode step.
     overhead_seconds: T_o, the target's wait for cached chains beyond T_p (their transfer).
+    plain_verify_seconds: the verify of a plain speculation round, which has no cache build beside it
+        (on a CPU the target then runs on the worker's core too: ssd/cores.py); None = verify_seconds.
     """
 
     p_hit: float
@@ -110,6 +113,7 @@ class StrategyInputs:
     batch_size: int
     k: int
     overhead_seconds: float = 0.0
+    plain_verify_seconds: float | None = None
 
     def __post_init__(self):
         if not 0.0 <= self.p_hit <= 1.0:
@@ -132,6 +136,8 @@ class StrategyInputs:
             raise ValueError(f"StrategyInputs.overhead_seconds must be >= 0, got {self.overhead_seconds!r}")
         if not (self.verify_seconds > 0 and self.decode_seconds > 0):
             raise ValueError("StrategyInputs.verify_seconds and decode_seconds must be > 0")
+        if self.plain_verify_seconds is not None and not self.plain_verify_seconds > 0:
+            raise ValueError(f"StrategyInputs.plain_verify_seconds must be > 0, got {self.plain_verify_seconds!r}")
         object.__setattr__(self, "tokens", dict(self.tokens))
         object.__setattr__(self, "draft_seconds", dict(self.draft_seconds))
 
@@ -161,8 +167,8 @@ def strategy_scores(inputs: StrategyInputs, names: tuple[str, ...] = STRATEGIES)
             scores[name] = b * per_seq / time_units / tv
         elif name in PLAIN:
             kind = PLAIN[name]
-            t_d = inputs.draft_seconds[kind] / tv
-            scores[name] = b * inputs.tokens[kind] / (1 + t_d) / tv
+            t_plain = inputs.plain_verify_seconds or tv
+            scores[name] = b * inputs.tokens[kind] / (t_plain + inputs.draft_seconds[kind])
         elif name == "ar":
             scores[name] = b / inputs.decode_seconds
         else:

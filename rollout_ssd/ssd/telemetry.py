@@ -50,8 +50,9 @@ class RoundTelemetry:
                 verify_seconds: float) -> None:
         est, b = self.estimates, len(ks)
         timed = (lambda name, seconds, batch: None) if rnd.cold else est.observe_time
-        # an AR round is a one-token step: AR's time, not a K+1-token verify's
-        timed("decode" if plan is Plan.AR else "verify", verify_seconds, b)
+        # an AR round is a one-token step: AR's time, not a K+1-token verify's; a plain speculation
+        # round's verify has no cache build beside it (and on a CPU may have the worker's core too)
+        timed("decode" if plan is Plan.AR else "verify" if plan.is_ssd else "plain_verify", verify_seconds, b)
         self._observe_acceptance(rnd, outcome)
         asked = [i for i in range(b) if ks[i] > 0]
         warm = [i for i in asked if rnd.warm[i]]

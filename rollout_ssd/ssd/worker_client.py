@@ -4,7 +4,8 @@
 buffers and a Unix socket (ssd/wire.py), and starts the worker as a fresh interpreter
 (`python -m rollout_ssd.ssd.worker_process ARGS.json`, through subprocess: unlike multiprocessing's spawn
 it never re-imports the caller's __main__, so scripts without a main guard and notebooks work). On a CPU
-the two processes are pinned to different cores (os.sched_setaffinity) with one intra-op thread each.
+the two processes are pinned to different cores (os.sched_setaffinity) with one intra-op thread each;
+rounds that leave the worker idle give the target both (ssd/cores.py).
 
 Draft weights: `update_weights` writes the changed tensors as a weight_sync transfer into a file of the
 shared directory (ssd/weight_file.py) and sends an UpdateDraftWeights header with its sizes. The worker
@@ -36,6 +37,7 @@ import torch
 from rollout_ssd.models.decoder import Decoder
 from rollout_ssd.ssd.client import DraftClient, WorkerFailure
 from rollout_ssd.ssd.config import SSDConfig
+from rollout_ssd.ssd.cores import TargetCores, split_for_worker
 from rollout_ssd.ssd.messages import (
     REPLIES,
     Barrier,
@@ -108,8 +110,7 @@ class _Resources:
         self.sock: Optional[socket.socket] = None
         self.listener: Optional[socket.socket] = None
         self.directory: Optional[str] = None
-        self.affinity: Optional[set] = None
-        self.threads: Optional[int] = None
+        self.cores: Optional[TargetCores] = None  # the target's CPU share beside the worker
         self.done = False
         self.graceful = True  # False once the worker failed: do not wait for it
 
@@ -142,13 +143,8 @@ class _Resources:
                     pass
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
-        if self.affinity is not None:
-            try:
-                os.sched_setaffinity(0, self.affinity)
-            except OSError:
-                pass
-        if self.threads is not None:
-            torch.set_num_threads(self.threads)
+        if self.cores is not None:
+            self.cores.widen()
 
 
 class WorkerClient(DraftClient):
@@ -172,6 +168,10 @@ class WorkerClient(DraftClient):
     @property
     def process(self):
         return self._res.proc
+
+    @property
+    def cores(self) -> Optional[TargetCores]:
+        return self._res.cores
 
     @classmethod
     def start(cls, draft_model: Decoder, num_slots: int, max_model_len: int, config: SSDConfig,
@@ -199,15 +199,7 @@ class WorkerClient(DraftClient):
         res.listener.bind(socket_path)
         res.listener.listen(1)
 
-        core = None
-        if config.pin_cores and hasattr(os, "sched_getaffinity"):
-            cores = sorted(os.sched_getaffinity(0))
-            if len(cores) >= 2:
-                res.affinity = set(cores)
-                res.threads = torch.get_num_threads()
-                os.sched_setaffinity(0, {cores[0]})
-                torch.set_num_threads(1)
-                core = cores[1]
+        res.cores, core = split_for_worker(config.pin_cores)
         args = {
             "directory": res.directory, "socket_path": socket_path, "sizes": list(sizes),
             "weights_path": weights_path, "manifest": manifest,

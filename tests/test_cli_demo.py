@@ -1,0 +1,33 @@
+"""The demo's table (`make run`): what ran where, and each method's numbers and strategy, side by side."""
+
+from __future__ import annotations
+
+import torch
+
+from rollout_ssd import metric_names as names
+from rollout_ssd.cli import _table
+from rollout_ssd.models.cpu_backend import cpu_kind
+
+
+def _metrics(tokens, seconds, per_round, accept=None, hit=None, rounds=None):
+    m = {names.ROLLOUT_TOKENS: tokens, names.ROLLOUT_SECONDS: seconds, names.ROLLOUT_TOKENS_PER_S: tokens / seconds,
+         names.ROLLOUT_TOKENS_PER_ROUND: per_round}
+    if accept is not None:
+        m[names.SPEC_ACCEPT_RATE] = accept
+    if hit is not None:
+        m[names.SSD_HIT_RATE], m[names.SSD_STRATEGY_ROUNDS] = hit, rounds
+    return m
+
+
+def test_table_says_where_it_ran_and_what_each_method_chose(capsys):
+    rows = [("ar", _metrics(100, 2.0, 1.0)), ("sd", _metrics(110, 1.0, 1.8, accept=0.5)),
+            ("ssd", _metrics(105, 1.5, 1.2, accept=0.45, hit=0.25, rounds={"ssd+neural": 3, "ar": 20}))]
+    _table(rows, torch.bfloat16)
+    lines = capsys.readouterr().out.strip().splitlines()
+    where = "CPU " + cpu_kind() if not torch.cuda.is_available() else torch.cuda.get_device_name()
+    assert lines[0] == f"{where}, bfloat16, {torch.get_num_threads()} threads"
+    assert lines[1].split()[:4] == ["method", "tokens", "seconds", "tokens/s"] and lines[1].endswith("rounds by strategy")
+    ar, sd, ssd = (line.split() for line in lines[2:])
+    assert ar[:4] == ["ar", "100", "2.0", "50.0"] and ar[4] == "-" and ar[-2:] == ["(every", "round)"]
+    assert sd[:6] == ["sd", "110", "1.0", "110.0", "0.50", "1.80"]
+    assert ssd[4:] == ["0.45", "1.20", "0.25", "ssd+neural", "3,", "ar", "20"]
