@@ -423,6 +423,9 @@ def test_plain_speculation_scored_at_its_own_verify_time():
     assert fast["sd"] == pytest.approx(2 * 3.5 / (0.012 + 0.01)) and base["sd"] == pytest.approx(2 * 3.5 / 0.03)
     assert fast["suffix"] == pytest.approx(2 * 2.0 / (0.012 + 0.001))
     assert all(fast[n] == base[n] for n in ("ssd+neural", "ssd+suffix", "ssd+random", "ar"))
+    local = strategy_scores(dataclasses.replace(inp, plain_verify_seconds=0.012, plain_draft_seconds=0.004))
+    assert local["sd"] == pytest.approx(2 * 3.5 / (0.012 + 0.004)) and local["suffix"] == fast["suffix"]
+    assert local["ssd+neural"] == base["ssd+neural"]  # its misses are drafted by the worker: draft_seconds
     with pytest.raises(ValueError, match="plain_verify_seconds"):
         dataclasses.replace(inp, plain_verify_seconds=0.0)
 
@@ -441,6 +444,14 @@ def test_plain_verify_estimate_scaled_by_the_two_decode_times_until_measured():
     assert est.inputs(4).plain_verify_seconds == pytest.approx(0.03)
     est.observe_time("plain_verify", 0.017, 4)  # measured: taken as it is
     assert est.inputs(4).plain_verify_seconds == pytest.approx(0.017)
+    # SD's drafting: the draft model's time, scaled the same way until measured
+    est.observe_time("draft", 0.01, 4)
+    est.observe_time("decode", 0.012, 4)
+    est.observe_time("decode", 0.012, 4)  # the median of the wide steps is back to 0.012
+    assert est.inputs(4).plain_draft_seconds == pytest.approx(0.01 * 0.6)
+    est.observe_time("plain_draft", 0.004, 4)
+    assert est.inputs(4).plain_draft_seconds == pytest.approx(0.004)
+    assert est.inputs(4).draft_seconds["draft"] == pytest.approx(0.01)  # SSD's miss cost is not moved
     with pytest.raises(ValueError, match="unknown time"):
         est.observe_time("plain", 0.01, 4)
 
@@ -602,3 +613,19 @@ def test_ssd_config_is_the_spec_configs_ssd_knobs():
     spec = SpecConfig(method="ssd", k=3, fanout=(1, 1, 1, 2), hysteresis=0.2, worker=False, fallback="ar")
     ssd = spec.ssd_config()
     assert (ssd.k, ssd.fanout, ssd.hysteresis, ssd.worker, ssd.fallback) == (3, (1, 1, 1, 2), 0.2, False, "ar")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 300), st.integers(0, 12), st.integers(0, 2**31 - 1), st.booleans())
+def test_top_candidates_equal_a_full_stable_sort(n, vocab, width, seed, masked):
+    """The tree's bonus candidates: the first `width` of a stable descending sort (ties: lower id first),
+    on logits with many ties (small integers) and, where `masked`, -inf outside a restricted head."""
+    from rollout_ssd.ssd.tree import top_candidates
+
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randint(-3, 4, (n, vocab), generator=g).float()
+    if masked:
+        rows[:, vocab // 2:] = float("-inf")
+    width = min(width, vocab)
+    want = torch.sort(rows, dim=-1, descending=True, stable=True).indices[:, :width].tolist()
+    assert top_candidates(rows, width) == want

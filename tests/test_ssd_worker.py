@@ -175,11 +175,26 @@ def test_target_takes_the_workers_core_in_rounds_that_leave_it_idle(pair, ar_out
     seen, verify = [], ssd._verify
     ssd._verify = lambda running, rnd, plan: (seen.append((plan, os.sched_getaffinity(0), torch.get_num_threads())),
                                                verify(running, rnd, plan))[1]
+    asked, side_of = [], ssd._side
+
+    def recording_side(plan):
+        side, cores = side_of(plan)
+        asked.append((plan, side))
+        return side, cores
+
+    ssd._side = recording_side
     assert [r.token_ids for r in engine.sample(PROMPTS, GREEDY)] == ar_out
+    # SD rounds draft in this process (the worker would draft on its one core); the others ask the worker
+    assert ssd.local is not None and ssd.local.client.in_process
+    assert all((side is ssd.local) == (plan is Plan.SD) for plan, side in asked)
     narrow = ({min(wide[0])}, 1)
     assert {p for p, _, _ in seen} == {Plan.SSD_DRAFT, Plan.AR, Plan.SD}
     for plan, cores, threads in seen:
         assert (cores, threads) == (narrow if plan.is_ssd else wide), plan
+    # a draft update reaches both sides: the in-process one drafts with the same, now written, copy
+    engine.update_draft_weights(list(pair[1].model.hf_parameters().items()), version=2)
+    assert ssd.local.client.server.draft_version == 2 and ssd.draft_digest() == ssd.local.digest()
+    assert [r.token_ids for r in engine.sample(PROMPTS, GREEDY)] == ar_out
     assert engine.metrics()["ssd/worker_failures"] == 0
     engine.close()
     assert (os.sched_getaffinity(0), torch.get_num_threads()) == wide

@@ -160,8 +160,8 @@ class Chooser:
         the draft side's answer and the chains it is sent: the draft side is idle then, as it is while
         AR runs, so the step is not slowed by a cache build competing for memory bandwidth. With `cores`
         (a worker process holds a core of its own) the step is timed as AR rounds run, on every core, and
-        once more on the target's own core ("decode_narrow": their ratio scales the plain speculation
-        verify until one is measured); the target is left on its own core.
+        once more on the target's own core ("decode_narrow": their ratio scales plain speculation's
+        verify and drafting until they are measured); the target's share is left as it was.
         Returns the seconds spent."""
         if cold:
             return 0.0
@@ -171,13 +171,13 @@ class Chooser:
         if self._calibrations and self._rounds_since_calibration < gap:
             self._rounds_since_calibration += 1
             return 0.0
-        seconds = 0.0
+        seconds, was_wide = 0.0, cores is None or cores.is_wide
         if cores is not None:
             cores.narrow()
             seconds += self._time_step(runner, running, "decode_narrow")
             cores.widen()
         seconds += self._time_step(runner, running, "decode")
-        if cores is not None:
+        if not was_wide:
             cores.narrow()
         self._calibrations, self._rounds_since_calibration = self._calibrations + 1, 0
         return seconds

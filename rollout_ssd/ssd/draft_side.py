@@ -343,6 +343,12 @@ class DraftSide:
             self.draft_version = update.version
             self._push({n: params[n] for n in names}, old)
 
+    def weights_written(self, version: int) -> None:
+        """An in-process side whose model another side's update just wrote in place: drop what it built."""
+        with self._weights_lock:
+            self.draft_version = version
+            self._push({}, {})
+
     def on_weights_changed(self) -> None:
         """The target's weights changed: a tensor the draft shares with it changed too, so the draft side
         gets it (the worker holds its own copy) and drops what the old value built."""

@@ -161,10 +161,12 @@ class LiveEstimates:
 
     PATHS = ("hit",) + SPECULATORS
     TIMES = ("verify", "primary", "overhead", "decode") + SPECULATORS
-    # no priors: "plain_verify" (the verify of a round with no cache build beside it: SD's, suffix's) is
-    # the verify time scaled by decode / "decode_narrow" (an AR step on the target's own core, with the
-    # worker holding the other; ssd/cores.py) until measured; on no split the two decode times agree
-    UNPRIORED = ("plain_verify", "decode_narrow")
+    # no priors: "plain_verify" (the verify of a round with no cache build beside it: SD's, suffix's) and
+    # "plain_draft" (SD's drafting, on a CPU in the target's process) are the verify and draft-model
+    # times scaled by decode / "decode_narrow" (an AR step on the target's own core, the worker holding
+    # the other; ssd/cores.py) until measured; without a split the two decode times agree
+    PLAIN = {"plain_verify": "verify", "plain_draft": "draft"}
+    UNPRIORED = (*PLAIN, "decode_narrow")
 
     def __init__(self, config: EstimatesConfig):
         self.config = config
@@ -205,7 +207,8 @@ class LiveEstimates:
         """A measured time per round of a batch of `batch` sequences: "verify", "primary" (T_p),
         "overhead" (T_o), "decode" (one AR step), or a speculator name (the target's wait for K tokens
         drafted with it: T_SD for "draft", T_b for backups), "plain_verify" (the verify of a plain
-        speculation round), "decode_narrow" (an AR step on the target's own core beside the worker)."""
+        speculation round), "plain_draft" (SD's drafting), "decode_narrow" (an AR step on the target's own
+        core beside the worker)."""
         if name not in self._times:
             raise ValueError(f"unknown time {name!r}; known: {self.TIMES + self.UNPRIORED}")
         if not seconds >= 0:
@@ -227,8 +230,8 @@ class LiveEstimates:
     def seconds(self, name: str, batch: int) -> float:
         """A time estimate at `batch` sequences; before any measurement of it: its prior in verify units
         times the verify time ("plain_verify": the verify time, scaled as UNPRIORED says)."""
-        if name == "plain_verify":
-            return self._plain_verify_seconds(batch)
+        if name in self.PLAIN:
+            return self._plain_seconds(name, batch)
         t = self._times[name].value(batch)
         if t is not None:
             return t
@@ -237,13 +240,13 @@ class LiveEstimates:
             raise ValueError(f"no measurement of {name!r} nor of the verify time yet")
         return self.config.prior_time_units[name] * verify
 
-    def _plain_verify_seconds(self, batch: int) -> float:
-        t = self._times["plain_verify"].value(batch)
+    def _plain_seconds(self, name: str, batch: int) -> float:
+        t = self._times[name].value(batch)
         if t is not None:
             return t
-        verify = self.seconds("verify", batch)
+        base = self.seconds(self.PLAIN[name], batch)
         wide, narrow = self._times["decode"].value(batch), self._times["decode_narrow"].value(batch)
-        return verify * min(1.0, wide / narrow) if wide is not None and narrow else verify
+        return base * min(1.0, wide / narrow) if wide is not None and narrow else base
 
     def inputs(self, batch_size: int) -> StrategyInputs:
         k = self.config.k
@@ -255,6 +258,7 @@ class LiveEstimates:
             overhead_seconds=self.seconds("overhead", batch_size),
             verify_seconds=self.seconds("verify", batch_size),
             plain_verify_seconds=self.seconds("plain_verify", batch_size),
+            plain_draft_seconds=self.seconds("plain_draft", batch_size),
             decode_seconds=self.seconds("decode", batch_size),
             batch_size=batch_size,
             k=k,

@@ -22,6 +22,7 @@ leave it behind; it catches up from the committed tokens (SYNC) the next time it
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Optional
 
@@ -37,6 +38,7 @@ from rollout_ssd.spec.speculator import Speculator
 from rollout_ssd.spec.verify import DenseDraft, DraftDistribution, MixedDraft, SparseDraft, VerifyResult
 from rollout_ssd.ssd.chooser import Chooser, Plan
 from rollout_ssd.ssd.config import SSDConfig
+from rollout_ssd.ssd.cores import TargetCores
 from rollout_ssd.ssd.draft_side import Chains, DraftSide
 from rollout_ssd.ssd.estimates import EstimatesConfig, LiveEstimates
 from rollout_ssd.ssd.fanout import FanoutConfig, FanoutPlan, FanoutPlanner
@@ -65,6 +67,9 @@ class SSDDecode(DecodeStrategy):
         self.telemetry = RoundTelemetry(estimates, self.planner, stats, None if backup is None else backup.name)
         self.draft = DraftSide(draft_model, runner.model.hf_parameters(), config, stats,
                                runner.cache.num_slots, max_model_len or runner.max_len)
+        # SD rounds while a worker process holds a CPU core: the draft in this process, on every core
+        # (the worker would draft on its one core); made when SD is first chosen, then kept in step
+        self.local: Optional[DraftSide] = None
 
     # ------------------------------------------------------------------ one round
     def step(self, running: list[Sequence]) -> int:
@@ -73,26 +78,22 @@ class SSDDecode(DecodeStrategy):
         fanout = self.planner.plan()
         plan = self.chooser.choose(len(running), fallback=self.draft.fallback)
         ks = chain_lengths(running, self.k)
+        side, cores = self._side(plan)  # the draft side asked; the target's CPU share beside a worker
         # 1. the last verdicts out, this round's chains in (the cache, the draft on demand, a fast backup)
-        rnd = self._propose(running, ks, plan, fanout)
-        cores = self.draft.cores  # the target's CPU share beside a worker process (ssd/cores.py), if any
+        rnd = self._propose(running, ks, plan, fanout, side)
         calibration = self.chooser.calibrate(self.runner, running, rnd.cold, cores) if plan is not Plan.AR else 0.0
         # 2. the chains to the draft side, which builds the next cache from them (a worker: during step 3)
-        told = rnd.reply is not None and self.draft.build(running, rnd.chains, ks, plan.is_ssd, fanout.fanout)
+        told = rnd.reply is not None and side.build(running, rnd.chains, ks, plan.is_ssd, fanout.fanout)
         t2 = time.perf_counter()
-        # 3. each chain verified against its own q (an AR round: the AR engine's step); device time on a GPU.
-        # The target keeps to its own core while the worker builds beside it, and takes both otherwise
-        if cores is not None and plan.is_ssd:
-            cores.narrow()
-        elif cores is not None:
-            cores.widen()
+        # 3. each chain verified against its own q (an AR round: the AR engine's step); device time on a GPU
         timer = DeviceTimer(self.runner.device).start()
         result = self._verify(running, rnd, plan)
         verify_seconds = timer.stop()
         t3 = time.perf_counter()
         # 4. append, roll back; the verdicts go out in the next round's step 1
         outcome = finish_round(self.runner, running, result)
-        self.draft.remember(running, rnd.chains, told, outcome)
+        for each in self._sides():  # a side this round did not tell catches up (SYNC) when next asked
+            each.remember(running, rnd.chains, told and each is side, outcome)
         if self.backup is not None:
             self.backup.on_verified(running, outcome.accepted)
         t4 = time.perf_counter()
@@ -102,14 +103,39 @@ class SSDDecode(DecodeStrategy):
                               RoundTimes(time.perf_counter() - t0, verify_seconds, calibration))
         return outcome.emitted
 
-    def _propose(self, running: list[Sequence], ks: list[int], plan: Plan, fanout: FanoutPlan) -> Chains:
+    def _side(self, plan: Plan) -> tuple[DraftSide, Optional[TargetCores]]:
+        """The draft side this round asks, and the target's CPU share beside a worker process (None
+        elsewhere), set for the round: its own core while the worker builds beside it (SSD), every core
+        when the worker is idle (AR; SD, drafted in this process)."""
+        cores = self.draft.cores
+        if cores is None:
+            return self.draft, None
+        if plan.is_ssd:
+            cores.narrow()
+            return self.draft, cores
+        cores.widen()
+        if plan is not Plan.SD:
+            return self.draft, cores
+        if self.local is None:
+            self.local = DraftSide(self.draft.draft_model, self.runner.model.hf_parameters(),
+                                   dataclasses.replace(self.config, worker=False), self.stats,
+                                   self.draft.num_slots, self.draft.max_model_len)
+            self.local.weights_written(self.draft.draft_version)
+            self.local.admit(list(self.draft.live.values()))
+        return self.local, cores
+
+    def _sides(self) -> tuple[DraftSide, ...]:
+        return (self.draft,) if self.local is None else (self.draft, self.local)
+
+    def _propose(self, running: list[Sequence], ks: list[int], plan: Plan, fanout: FanoutPlan,
+                 side: DraftSide) -> Chains:
         """Chains from the draft side where the plan asks it, then the fast backup where it gave none."""
         first = [self.draft.is_first_round(s) for s in running]
         rnd = Chains.empty(first)
         need_backup = list(range(len(running))) if plan is Plan.SUFFIX else []
-        if plan.asks_draft_side and self.draft.client is not None:
-            if self.draft.request_chains(running, ks, plan.drafts_on_miss, fanout.fanout, rnd):
-                need_backup = self.draft.missed(rnd, ks)
+        if plan.asks_draft_side and side.client is not None:
+            if side.request_chains(running, ks, plan.drafts_on_miss, fanout.fanout, rnd):
+                need_backup = side.missed(rnd, ks)
             else:  # the draft side failed: nothing it sent is used, every row verifies an empty chain
                 rnd, need_backup = Chains.empty(first), []
         if need_backup and self.backup is not None and plan.uses_backup:
@@ -144,23 +170,26 @@ class SSDDecode(DecodeStrategy):
     def before_prefill(self, seqs: list[Sequence]) -> None:
         """Admit to the draft side before the target prefills, so the worker's prefill overlaps the
         target's (an engine hook; without it `on_admit` does the same after the target's prefill)."""
-        cores = self.draft.cores
-        if cores is not None:  # the worker prefills its draft beside the target's prefill
-            cores.narrow()
+        if self.draft.cores is not None:  # the worker prefills its draft beside the target's prefill
+            self.draft.cores.narrow()
         self.on_admit(seqs)
 
     def on_admit(self, seqs: list[Sequence]) -> None:
         new = self.draft.admit(seqs)
+        if self.local is not None:
+            self.local.admit(seqs)
         if new and self.backup is not None:
             self.backup.on_admit(new)
 
     def on_release(self, seq: Sequence) -> None:
-        self.draft.release(seq)
+        for side in self._sides():
+            side.release(seq)
         if self.backup is not None:
             self.backup.on_release(seq)
 
     def close(self) -> None:
-        self.draft.close()
+        for side in self._sides():
+            side.close()
         if self.backup is not None:
             self.backup.close()
 
@@ -171,9 +200,12 @@ class SSDDecode(DecodeStrategy):
 
     def apply_draft_update(self, update, params: dict[str, torch.Tensor], names: tuple[str, ...]) -> None:
         self.draft.apply_draft_update(update, params, names)
+        if self.local is not None:  # it drafts with the same (now written) copy: drop what it built
+            self.local.weights_written(update.version)
 
     def on_weights_changed(self) -> None:
-        self.draft.on_weights_changed()
+        for side in self._sides():
+            side.on_weights_changed()
 
     def draft_digest(self) -> int:
         """weights_digest of the weights the draft side holds now (asked of the worker itself)."""

@@ -13,7 +13,8 @@ second with
 
     ssd+X:  b·[p·E_hit + (1-p)·E_X] / ( p^b·(max(1, T_p) + T_o) + (1 - p^b)·(1 + T_X) ) / t_verify
     sd, suffix (plain speculation with that speculator):  b·E / (t_plain + t_draft)
-(t_plain: the verify of a round with no cache build beside it, t_verify where the two cost the same)
+(t_plain, and SD's t_draft: the verify and the drafting of a round with no cache build beside it, which
+on a CPU run on the worker's core too; t_verify and T_SD's time where they cost the same)
     ar:     b / t_decode
 
 which is Theorem 7 at b = 1 and Theorem 17's two expressions when T_p <= 1 and the fast backup costs 0,
@@ -102,6 +103,8 @@ class StrategyInputs:
     overhead_seconds: T_o, the target's wait for cached chains beyond T_p (their transfer).
     plain_verify_seconds: the verify of a plain speculation round, which has no cache build beside it
         (on a CPU the target then runs on the worker's core too: ssd/cores.py); None = verify_seconds.
+    plain_draft_seconds: SD's drafting of K tokens (on a CPU in the target's process, on every core);
+        None = draft_seconds["draft"].
     """
 
     p_hit: float
@@ -114,6 +117,7 @@ class StrategyInputs:
     k: int
     overhead_seconds: float = 0.0
     plain_verify_seconds: float | None = None
+    plain_draft_seconds: float | None = None
 
     def __post_init__(self):
         if not 0.0 <= self.p_hit <= 1.0:
@@ -138,6 +142,8 @@ class StrategyInputs:
             raise ValueError("StrategyInputs.verify_seconds and decode_seconds must be > 0")
         if self.plain_verify_seconds is not None and not self.plain_verify_seconds > 0:
             raise ValueError(f"StrategyInputs.plain_verify_seconds must be > 0, got {self.plain_verify_seconds!r}")
+        if self.plain_draft_seconds is not None and not self.plain_draft_seconds >= 0:
+            raise ValueError(f"StrategyInputs.plain_draft_seconds must be >= 0, got {self.plain_draft_seconds!r}")
         object.__setattr__(self, "tokens", dict(self.tokens))
         object.__setattr__(self, "draft_seconds", dict(self.draft_seconds))
 
@@ -168,7 +174,10 @@ def strategy_scores(inputs: StrategyInputs, names: tuple[str, ...] = STRATEGIES)
         elif name in PLAIN:
             kind = PLAIN[name]
             t_plain = inputs.plain_verify_seconds or tv
-            scores[name] = b * inputs.tokens[kind] / (t_plain + inputs.draft_seconds[kind])
+            t_draft = inputs.draft_seconds[kind]
+            if kind == "draft" and inputs.plain_draft_seconds is not None:
+                t_draft = inputs.plain_draft_seconds
+            scores[name] = b * inputs.tokens[kind] / (t_plain + t_draft)
         elif name == "ar":
             scores[name] = b / inputs.decode_seconds
         else:

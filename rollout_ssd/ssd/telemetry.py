@@ -67,7 +67,7 @@ class RoundTelemetry:
             self.planner.observe_cache([rnd.cached[i] for i in warm], [rnd.paths[i] == "hit" for i in warm])
         state = {"fanout": list(fanout.fanout), "a_estimate": fanout.a, "r_estimate": fanout.r,
                  "predicted_miss_rate": fanout.predicted_miss_rate}
-        state.update(self._observe_draft_times(rnd, asked, verify_seconds, timed))
+        state.update(self._observe_draft_times(plan, rnd, asked, verify_seconds, timed))
         self._prev_verify, self._prev_batch = verify_seconds, b
         self._prev_budget = fanout.budget if plan.is_ssd else 0
         state["strategy"] = plan.label
@@ -87,9 +87,11 @@ class RoundTelemetry:
             if path in ("hit", "draft"):
                 self.planner.observe_acceptance(acc, judged)
 
-    def _observe_draft_times(self, rnd: Chains, asked: list[int], verify_seconds: float, timed) -> dict:
+    def _observe_draft_times(self, plan: Plan, rnd: Chains, asked: list[int], verify_seconds: float,
+                             timed) -> dict:
         """T_p (the cache build), T_b (the draft on demand, or the fast backup) and T_o (the cache's
-        transfer), as the `ssd/*` state they set."""
+        transfer), as the `ssd/*` state they set. SD's drafting is timed apart ("plain_draft"): on a CPU
+        it runs in the target's process on every core, not in the worker as an SSD round's misses do."""
         state, b, reply = {}, len(rnd.paths), rnd.reply
         if reply is not None:
             if reply.build_seconds > 0 and self._prev_verify:
@@ -98,7 +100,7 @@ class RoundTelemetry:
                                             min(reply.glue_seconds, reply.build_seconds))
                 state["T_p"] = reply.build_seconds / self._prev_verify
             if any(p == "draft" for p in rnd.paths):
-                timed("draft", rnd.wait_seconds, b)
+                timed("draft" if plan.is_ssd else "plain_draft", rnd.wait_seconds, b)
                 state["T_b"] = rnd.wait_seconds / verify_seconds
             elif asked and all(rnd.paths[i] == "hit" for i in asked):
                 excess = max(0.0, reply.build_seconds - (self._prev_verify or 0.0))  # counted in T_p

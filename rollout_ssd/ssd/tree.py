@@ -188,8 +188,7 @@ class TreeDrafter:
         for b, st in enumerate(seqs):
             K = len(st.chain)
             rows = logits[b, catchup[b] - 1: catchup[b] + K]  # [K+1, V]: depth 0..K
-            width = min(f_max + 1, self.vocab)
-            order = torch.sort(rows, dim=-1, descending=True, stable=True).indices[:, :width].tolist()
+            order = top_candidates(rows, min(f_max + 1, self.vocab))
             mine, counts = [], []
             for j in range(K + 1):
                 f = fanout[j] if j < K else fanout[-1]
@@ -231,8 +230,9 @@ class TreeDrafter:
         flat_ctx = (n_ctx[:, 0][flat_rows[:, 0]] + depth[flat_rows[:, 0], flat_rows[:, 1]])  # index of t
 
         dev = self.model.embed.device  # the tree's tokens and q stay where the draft runs
-        tokens = torch.zeros(R, n_max, K, dtype=torch.long, device=dev)
-        q = torch.zeros(R, n_max, K, self.vocab, device=dev)
+        # every step writes every valid branch; padding (branch >= N_b) is never read: no fill needed
+        tokens = torch.empty(R, n_max, K, dtype=torch.long, device=dev)
+        q = torch.empty(R, n_max, K, self.vocab, device=dev)
         at_row, at_branch = flat_rows[:, 0].to(dev), flat_rows[:, 1].to(dev)
         feed = [[t for _, t in branches[b]] for b in live]
         for step in range(K):
@@ -255,8 +255,24 @@ class TreeDrafter:
         for i, b in enumerate(live):
             n = int(counts[i])
             index = {jt: r for r, jt in enumerate(branches[b])}
-            out[seqs[b].seq_id] = CacheEntries(tokens[i, :n].clone(), q[i, :n].clone(), index, depth_counts[b])
+            # views, not copies: nothing writes these tensors again (the next build makes new ones)
+            out[seqs[b].seq_id] = CacheEntries(tokens[i, :n], q[i, :n], index, depth_counts[b])
         return out
+
+
+def top_candidates(rows: torch.Tensor, width: int) -> list[list[int]]:
+    """Each row's `width` largest entries' indices, largest first, ties by lower index: the first `width`
+    of a stable descending sort, without sorting the whole vocabulary (a full sort of a few rows of a
+    49k vocabulary costs more than the draft forward that made them). Entries at or above the row's
+    width-th largest value are the only ones that can be among them; only those are sorted."""
+    if width <= 0:
+        return [[] for _ in range(rows.shape[0])]
+    cut = torch.topk(rows, width, dim=-1).values[:, -1:]  # [N, 1] the width-th largest value
+    out = []
+    for row, c in zip(rows, cut):
+        idx = (row >= c).nonzero().squeeze(1)  # ascending index: the stable sort keeps ties in this order
+        out.append(idx[torch.sort(row[idx], descending=True, stable=True).indices][:width].tolist())
+    return out
 
 
 def _at(fanout: Sequence[int], i: int) -> int:

@@ -1,0 +1,200 @@
+"""Where one SSD round's time goes, against an SD round on the same prompts (issue 15, part 3).
+
+SSD (rule off: every round SSD with the draft backup, the draft worker on its own core) and SD, one
+thread per process, prompts one at a time (`--batch 1`) or together, greedy or T=1, dtype auto. Per
+timed SSD round (first rounds left out) it splits the target's time into
+  - wait: request to validated reply (the verdicts out, the chains and their q in, a miss's drafting);
+  - forward: the verify's target forward, while the worker builds the next cache beside it;
+  - judge: the rest of the verify (sampling, the accept/reject walk);
+  - tail: append, KV rollback, messages, bookkeeping;
+and measures beside it, on the same round, the same forward with the worker idle (between its reply
+and the chains it is sent: `forward alone`), so `forward / forward alone` is what the concurrent build
+costs the verify (the two processes share the memory bus), and the worker's own build time (T_p once
+divided by the verify). The SD engine's rounds give draft and verify seconds per round. Theorem 7's
+prediction from the measured parts is printed next to the measured SSD/SD.
+
+    .venv/bin/python bench/profile_ssd_round.py                      # batch 1, greedy, K=4
+    .venv/bin/python bench/profile_ssd_round.py --temperature 1
+    .venv/bin/python bench/profile_ssd_round.py --quick              # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from common import add_repo_to_path, bench_prompts, machine_note, print_json_line, print_table
+
+add_repo_to_path()
+
+from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig  # noqa: E402
+from rollout_ssd import metric_names as names  # noqa: E402
+from rollout_ssd.models.loader import load_pretrained  # noqa: E402
+from rollout_ssd.models.registry import resolve_draft  # noqa: E402
+from rollout_ssd.ssd.rule import sd_speedup, ssd_speedup  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=1, help="1: prompts one at a time")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--prompt-set", default="templates", choices=("templates", "unseen"))
+    p.add_argument("--quick", action="store_true", help="2 prompts, 16 tokens")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prompts, args.new_tokens = 2, 16
+    return args
+
+
+class RoundProbe:
+    """Hooks on one SSD engine's strategy that time each part of its rounds (module docstring)."""
+
+    def __init__(self, engine):
+        self.ssd = engine.strategy
+        self.runner = self.ssd.runner
+        self.rounds: list[dict] = []
+        self._cur: dict = {}
+        self._concurrent = False
+        extend, build, propose = self.runner.extend, self.ssd.draft.build, self.ssd._propose
+
+        def timed_extend(slots, tokens, **kw):
+            t0 = time.perf_counter()
+            out = extend(slots, tokens, **kw)
+            if self._concurrent:
+                self._cur["forward"] = self._cur.get("forward", 0.0) + time.perf_counter() - t0
+            return out
+
+        def probe_propose(running, ks, plan, fanout):
+            rnd = propose(running, ks, plan, fanout)
+            self._cur = {"batch": len(running), "cold": rnd.cold, "wait": rnd.wait_seconds,
+                         "build": rnd.reply.build_seconds if rnd.reply is not None else 0.0,
+                         "drafting": rnd.reply.backup_seconds if rnd.reply is not None else 0.0,
+                         "q_bytes": sum(q.probs.numel() * q.probs.element_size() for q in rnd.q
+                                        if q is not None and hasattr(q, "probs"))}
+            if not rnd.cold:  # the same forward as the verify's, the worker idle; then undone
+                chains = [[s.last_token] + list(c) for s, c in zip(running, rnd.chains)]
+                t0 = time.perf_counter()
+                extend([s.slot for s in running], chains, last_only=False)
+                self._cur["forward_alone"] = time.perf_counter() - t0
+                for s in running:
+                    self.runner.rollback(s.slot, s.num_tokens - 1)
+            return rnd
+
+        def probe_build(*a, **kw):
+            told = build(*a, **kw)
+            self._concurrent = True  # the verify's forward follows, beside the worker's build
+            return told
+
+        self.runner.extend, self.ssd.draft.build, self.ssd._propose = timed_extend, probe_build, probe_propose
+        self.ssd.trace = self.trace = []
+
+    def hook_round_end(self):
+        step = self.ssd.step
+
+        def stepped(running):
+            out = step(running)
+            self._concurrent = False
+            r = self.trace[-1]
+            cur = self._cur
+            cur.update(seconds=r["seconds"] - cur.get("forward_alone", 0.0), verify=r["verify_seconds"],
+                       emitted=r["emitted"], paths=dict(r["paths"]))
+            self.rounds.append(cur)
+            return out
+
+        self.ssd.step = stepped
+
+
+def run(engine, prompts, params, batch):
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    t0 = time.perf_counter()
+    tokens = sum(len(r.token_ids) for g in groups for r in engine.sample(g, params))
+    return tokens, time.perf_counter() - t0
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    target = load_pretrained("smollm2-135m-instruct", dtype=args.dtype)
+    draft = load_pretrained(resolve_draft("default", "smollm2-135m-instruct"), dtype=args.dtype,
+                            with_tokenizer=False, share_embedding_from=target.model)
+    prompts = bench_prompts(target.tokenizer, args.prompt_set, args.prompts)
+    cfg = EngineConfig(max_batch_size=args.batch, max_model_len=max(map(len, prompts)) + args.new_tokens + 8)
+    params = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
+    sd = RolloutEngine(target, SpecConfig(method="sd", k=args.k), cfg, draft=draft)
+    ssd = RolloutEngine(target, SpecConfig(method="ssd", k=args.k, strategy_rule=False), cfg, draft=draft)
+    probe = RoundProbe(ssd)
+    probe.hook_round_end()
+    for engine in (sd, ssd):  # warm-up call each (first shapes, the worker's first builds), not counted
+        run(engine, prompts[:1], SamplingParams(temperature=args.temperature, max_new_tokens=8, ignore_eos=True), 1)
+        engine.metrics(reset=True)
+    probe.rounds.clear()
+    sd_tokens, sd_seconds = run(sd, prompts, params, args.batch)
+    ssd_tokens, ssd_seconds = run(ssd, prompts, params, args.batch)
+    m_sd, m_ssd = sd.metrics(), ssd.metrics()
+    sd.close()
+    ssd.close()
+
+    warm = [r for r in probe.rounds if not r["cold"] and "forward" in r]
+    n = max(len(warm), 1)
+    mean = {key: sum(r[key] for r in warm) / n for key in ("seconds", "wait", "verify", "forward", "forward_alone",
+                                                             "build", "emitted", "q_bytes")}
+    parts = {"wait": mean["wait"], "forward (beside the build)": mean["forward"],
+             "judge": mean["verify"] - mean["forward"],
+             "tail": mean["seconds"] - mean["wait"] - mean["verify"]}
+    rows = [{"part": k, "ms/round": 1000 * v, "share": v / mean["seconds"]} for k, v in parts.items()]
+    rows += [{"part": "forward alone (worker idle)", "ms/round": 1000 * mean["forward_alone"], "share": None},
+             {"part": "worker build (T_p x verify)", "ms/round": 1000 * mean["build"], "share": None}]
+    print(f"SSD rounds timed: {len(warm)}, tokens per round {mean['emitted']:.2f} (batch {args.batch}), "
+          f"q bytes per round {mean['q_bytes']:.0f}")
+    print_table(rows, floatfmt=".3f")
+
+    sd_draft, sd_verify = m_sd[names.SPEC_DRAFT_SECONDS], m_sd[names.SPEC_VERIFY_SECONDS]
+    # Theorem 7 from the measured parts, in SD-verify units: SD's E and T_SD from its own rounds; SSD's hit
+    # rate, acceptance and T_p from its rounds (T_b: the SD engine's draft time)
+    a_sd, a_ssd = m_sd[names.SPEC_ACCEPT_RATE], m_ssd[names.SPEC_ACCEPT_RATE]
+    e = lambda a: sum(a ** i for i in range(args.k + 1))  # noqa: E731
+    verify_unit = mean["verify"]
+    t_p = mean["build"] / verify_unit if verify_unit else float("nan")
+    t_sd = sd_draft / sd_verify  # the SD rounds' drafting time in their verify units
+    p_hit = m_ssd.get(names.SSD_HIT_RATE_WARM) or 0.0
+    predicted = ssd_speedup(p_hit, e(a_ssd), e(a_ssd), t_p, t_sd) / sd_speedup(e(a_sd), t_sd)
+    summary = {
+        "SD tok/s": sd_tokens / sd_seconds, "SSD tok/s": ssd_tokens / ssd_seconds,
+        "SSD/SD measured": (ssd_tokens / ssd_seconds) / (sd_tokens / sd_seconds),
+        "SSD/SD predicted (Theorem 7)": predicted, "SD accept": a_sd, "SSD accept": a_ssd, "hit (warm)": p_hit,
+        "T_SD": t_sd, "T_p": t_p, "forward / forward alone": mean["forward"] / max(mean["forward_alone"], 1e-12),
+    }
+    by_path = []
+    for path in ("hit", "draft"):
+        rs = [r for r in warm if r["paths"].get(path)]
+        if rs:
+            k = len(rs)
+            by_path.append({"path": path, "rounds": k, "tokens/round": sum(r["emitted"] for r in rs) / k,
+                            "wait ms": 1000 * sum(r["wait"] for r in rs) / k,
+                            "worker drafting ms": 1000 * sum(r["drafting"] for r in rs) / k,
+                            "verify ms": 1000 * sum(r["verify"] for r in rs) / k,
+                            "round ms": 1000 * sum(r["seconds"] for r in rs) / k})
+    print()
+    print_table(by_path, floatfmt=".2f")
+    paths = {r["path"]: r for r in by_path}
+    if "hit" in paths and "draft" in paths:  # Theorem 7 again, with the target's measured waits per path
+        t_b = paths["draft"]["wait ms"] / 1000 / verify_unit  # a miss: the build's overrun, drafting, transfer
+        t_o = max(0.0, paths["hit"]["wait ms"] / 1000 / verify_unit - max(0.0, t_p - 1))
+        summary["SSD/SD predicted, measured T_b, T_o"] = ssd_speedup(
+            p_hit, paths["hit"]["tokens/round"], paths["draft"]["tokens/round"], t_p, t_b, t_o) / sd_speedup(e(a_sd), t_sd)
+        summary["T_b (miss wait)"], summary["T_o"] = t_b, t_o
+    print()
+    print_table([summary], floatfmt=".3f")
+    print_json_line({"bench": "profile_ssd_round", "machine": machine_note(), "args": vars(args),
+                     "parts_ms": {k: 1000 * v for k, v in parts.items()}, "mean": mean, "by_path": by_path,
+                     "summary": summary,
+                     "rounds_timed": len(warm)})
+
+
+if __name__ == "__main__":
+    main()
