@@ -1,4 +1,4 @@
-"""Tree attention (kernels/): mask semantics, the SDPA path, and the Triton kernel.
+"""Tree attention (rollout_ssd/kernels/): mask semantics, the SDPA path, and the Triton kernel.
 
 Accuracy rule on the CPU (interpreter): against a float64 reference, every output element of the
 Triton kernel must be within a rounding-error bound derived from the kernel's arithmetic (fp32 sums,
@@ -19,7 +19,7 @@ back; the assertions stay here. On a CUDA machine the compiled kernel is also ch
 from __future__ import annotations
 
 import functools
-import importlib.util
+import importlib
 import os
 import subprocess
 import sys
@@ -28,22 +28,16 @@ from pathlib import Path
 import pytest
 import torch
 
-KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+from rollout_ssd.kernels import reference as ref
+
+REPO = Path(__file__).resolve().parents[1]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _load(name: str, path: Path):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-ref = _load("rollout_ssd_kernels_reference", KERNELS / "reference.py")
 Meta = ref.TreeAttentionMetadata
+
+
+def _kernel():
+    """rollout_ssd.kernels.tree_attention (imports triton: in this process only where its mode is right)."""
+    return importlib.import_module("rollout_ssd.kernels.tree_attention")
 
 
 def _int(*values: int) -> torch.Tensor:
@@ -314,7 +308,7 @@ def _poisoned_case():
 
 def _triton_worker(cases_path: str, outputs_path: str) -> None:
     """Child process, TRITON_INTERPRET=1 set before triton is imported: run every saved case."""
-    kernel = _load("rollout_ssd_kernels_tree_attention", KERNELS / "tree_attention.py")
+    kernel = _kernel()
     cases = torch.load(cases_path)
     outputs = {}
     for name, case in cases.items():
@@ -329,7 +323,7 @@ def _late_interpreter_worker() -> None:
     import triton  # noqa: F401  (imported before the variable is set, on purpose)
 
     os.environ["TRITON_INTERPRET"] = "1"
-    kernel = _load("rollout_ssd_kernels_tree_attention", KERNELS / "tree_attention.py")
+    kernel = _kernel()
     meta, _ = _hand_case()
     cache = torch.zeros(2, 1, 11, 16)
     try:
@@ -343,6 +337,7 @@ def _run_child(*args: str, interpret: bool) -> subprocess.CompletedProcess:
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     result = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -393,7 +388,7 @@ def test_triton_needs_the_interpreter_before_triton_is_imported():
 @pytest.mark.parametrize("case, dtype", ALL, ids=IDS)
 def test_triton_compiled_within_twice_sdpa_error(case, dtype):
     pytest.importorskip("triton", reason="triton is not installed")
-    kernel = _load("rollout_ssd_kernels_tree_attention", KERNELS / "tree_attention.py")
+    kernel = _kernel()
     seed, hkv, group, head_dim, block_n, packed = case
     q, k_cache, v_cache, meta = _make_case(seed, hkv, group, head_dim, dtype, packed)
     q, k_cache, v_cache, meta = q.cuda(), k_cache.cuda(), v_cache.cuda(), meta.to("cuda")
