@@ -27,6 +27,7 @@ from rollout_ssd.edges import Edges
 from rollout_ssd.kv_cache import KVCache
 from rollout_ssd.methods import BuildContext, make_strategy
 from rollout_ssd.metrics import EngineMetrics
+from rollout_ssd.models.attention import select_backend
 from rollout_ssd.models.loader import LoadedModel, load_pretrained
 from rollout_ssd.params import Prompt, Rollout, SamplingParams
 from rollout_ssd.request import Request
@@ -107,6 +108,9 @@ class RolloutEngine:
         self.spec = spec
         self.config = engine
         self.max_model_len, slots = _context(target, engine, spec, draft)
+        for loaded in (target, draft):  # the attention backend of each model the engine runs, by its device
+            if loaded is not None:
+                loaded.model.backend = select_backend(engine.attention, loaded.model.embed.device)
         self.runner = ModelRunner(target.model, num_slots=slots, max_len=self.max_model_len)
         if engine.cuda_graphs:
             self.runner.use_static_steps()
