@@ -78,7 +78,7 @@ def _slots_on_gpu(target: LoadedModel, engine: EngineConfig, spec: SpecConfig, d
     rows = engine.max_batch_size  # a static step pads its rows to the bucket
     rows = bucket_for(rows) if engine.cuda_graphs and rows <= BUCKETS[-1] else rows
     reserve = memory.FIXED_MARGIN_BYTES + memory.step_reserve_bytes(
-        target.model.cfg, target.model.dtype, rows, MAX_STEP_TOKENS, PREFILL_TOKENS_PER_FORWARD)
+        target.model.cfg, target.model.dtype, rows, MAX_STEP_TOKENS, PREFILL_TOKENS_PER_FORWARD, max_len)
     draft_len, draft_device, tree_bytes = None, None, 0
     if draft is not None and spec.method == "sd" and spec.speculator == "draft":
         draft_len, draft_device = max_len, draft.model.embed.device
@@ -95,7 +95,7 @@ def _slots_on_gpu(target: LoadedModel, engine: EngineConfig, spec: SpecConfig, d
         per_slot += KVCache.bytes_per_token(dcfg.num_layers, dcfg.num_kv_heads, dcfg.head_dim,
                                             draft.model.dtype) * draft_len
         reserve += tree_bytes + memory.step_reserve_bytes(dcfg, draft.model.dtype, rows, MAX_STEP_TOKENS,
-                                                          PREFILL_TOKENS_PER_FORWARD)
+                                                          PREFILL_TOKENS_PER_FORWARD, draft_len)
     free, total = measured
     return memory.kv_slots_that_fit(free, total, per_slot, reserve, engine.gpu_memory_utilization,
                                     engine.max_batch_size)

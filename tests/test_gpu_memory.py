@@ -40,9 +40,10 @@ def test_step_reserve_by_hand():
                       attention_bias=False, qk_norm=False, max_position_embeddings=128, bos_token_id=None,
                       eos_token_ids=())
     qkv = (4 + 2 * 2) * 16
-    # bf16: logits 8 rows x 16 tokens x 1000 x (2 + 4); prefill 4096 tokens x (4 x 64 + qkv + 3 x 128) x 2
-    assert step_reserve_bytes(cfg, torch.bfloat16, rows=8, step_tokens=16, prefill_tokens=4096) == \
-        8 * 16 * 1000 * 6 + 4096 * (256 + qkv + 384) * 2
+    # bf16: logits 8 rows x 16 tokens x 1000 x (2 + 4); prefill 4096 tokens x (4 x 64 + qkv + 3 x 128) x 2;
+    # scores 4096 tokens x 4 heads x 128 keys x 4 x 2
+    assert step_reserve_bytes(cfg, torch.bfloat16, rows=8, step_tokens=16, prefill_tokens=4096, max_len=128) == \
+        8 * 16 * 1000 * 6 + 4096 * (256 + qkv + 384) * 2 + 4096 * 4 * 128 * 8
 
 
 def test_device_memory_reads_cuda_and_counts_the_allocators_cache(monkeypatch):
@@ -63,8 +64,8 @@ def _per_token(model) -> int:
     return KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype)
 
 
-def _reserve(*models, rows: int) -> int:
-    return FIXED_MARGIN_BYTES + sum(step_reserve_bytes(m.cfg, m.dtype, rows, 16, 4096) for m in models)
+def _reserve(*models, rows: int, lens=(64, 64)) -> int:
+    return FIXED_MARGIN_BYTES + sum(step_reserve_bytes(m.cfg, m.dtype, rows, 16, 4096, n) for m, n in zip(models, lens))
 
 
 def _engine(monkeypatch, pair, free: int, spec=SpecConfig(), **options):
@@ -116,7 +117,7 @@ def test_ssd_counts_the_draft_sides_kv_and_tree(monkeypatch, pair):
     ssd = spec.ssd_config()
     per_slot = _per_token(target.model) * 64 + _per_token(draft.model) * draft_max_len(64, 3, ssd.max_branches)
     tree = 8 * ssd.max_branches * 48 * (2 * 4 * 3 + 8)
-    reserve = _reserve(target.model, draft.model, rows=8) + tree
+    reserve = _reserve(target.model, draft.model, rows=8, lens=(64, draft_max_len(64, 3, ssd.max_branches))) + tree
     assert _engine(monkeypatch, pair, reserve + 4 * per_slot, spec) == 3
     assert _engine(monkeypatch, pair, reserve + 4 * per_slot - 1, spec) == 2
 

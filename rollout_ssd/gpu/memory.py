@@ -30,7 +30,7 @@ FIXED_MARGIN_BYTES = 512 * 2**20
 
 
 def step_reserve_bytes(cfg: ModelConfig, dtype: torch.dtype, rows: int, step_tokens: int,
-                       prefill_tokens: int) -> int:
+                       prefill_tokens: int, max_len: int) -> int:
     """Bytes to keep free beside the KV cache for one model's forwards:
 
       logits  rows x step_tokens x vocab x (element + 4): the head's output of the largest static
@@ -38,13 +38,16 @@ def step_reserve_bytes(cfg: ModelConfig, dtype: torch.dtype, rows: int, step_tok
               and its float32 copy;
       prefill prefill_tokens x (4 hidden + qkv + 3 intermediate) x element: one prefill forward's
               live activations (the residual, the normed input, q|k|v, gate|up and their product,
-              the attention output).
+              the attention output);
+      scores  prefill_tokens x heads x max_len x 4 x 2: a masked prefill's float32 attention scores
+              and weights when SDPA takes its unfused path (a fused kernel needs none of it).
     The engine adds FIXED_MARGIN_BYTES once per device."""
     element = torch.empty((), dtype=dtype).element_size()
     vocab = cfg.head_vocab_size or cfg.vocab_size
     logits = rows * step_tokens * vocab * (element + 4)
     prefill = prefill_tokens * (4 * cfg.hidden_size + cfg.qkv_size + 3 * cfg.intermediate_size) * element
-    return logits + prefill
+    scores = prefill_tokens * cfg.num_heads * max_len * 4 * 2
+    return logits + prefill + scores
 
 
 def kv_slots_that_fit(free_bytes: int, total_bytes: int, per_slot_bytes: int, reserve_bytes: int,
