@@ -56,11 +56,12 @@ class ForwardBatch:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm: normalise in float32, cast back to x's dtype, times the weight (the one place the
-    form is chosen). The float32 normalisation is torch's fused `F.rms_norm` without a weight (one
-    kernel on CUDA, one C++ call on a CPU instead of five ops), bitwise the written-out ops on a CPU
-    (tests/test_fused_ops.py). The weight multiply stays after the cast, HF's rounding order:
-    `F.rms_norm` given a 16-bit weight multiplies before casting, one rounding where HF has two, which
-    is not HF's bits. In float32 the cast is a no-op, so the weight goes inside."""
+    form is chosen). The float32 normalisation is torch's `F.rms_norm` without a weight: one call in
+    place of five ops (on CUDA torch's fused kernel), bitwise the written-out ops on a CPU
+    (tests/test_fused_ops.py); on a GPU its reduction order may differ from `mean`'s in the last float32
+    bit, which bench/gpu_check.py's `fused` part counts. The weight multiply stays after the cast, HF's
+    rounding order: `F.rms_norm` given a 16-bit weight multiplies before casting, one rounding where HF
+    has two, which is not HF's bits. In float32 the cast is a no-op, so the weight goes inside."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
