@@ -91,7 +91,7 @@ def part_env(device: torch.device, smoke: bool) -> dict:
 
 def part_tests(device: torch.device, smoke: bool) -> dict:
     files = ["tests/test_gpu_graphs.py", "tests/test_device_engine.py", "tests/test_tree_attention.py",
-             "tests/test_weight_sync.py"]
+             "tests/test_attention_backends.py", "tests/test_weight_sync.py"]
     # smoke: the same call on one CPU case (the GPU cases skip on a CPU)
     marks = ["-m", "not gpu", "-k", "bucket"] if smoke else ["-m", "gpu"]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *marks, *files]

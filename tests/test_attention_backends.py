@@ -176,15 +176,18 @@ def _backend_worker(out_path: str) -> None:
     torch.save(saved, out_path)
 
 
-def _sample_all(directory: Path, attention: str) -> dict:
-    """Greedy rollouts of every ENGINES case with `attention`: name -> [(token ids, logprobs)]."""
+def _sample_all(directory: Path, attention: str, device: str = "cpu") -> dict:
+    """Greedy rollouts of every ENGINES case with `attention` on `device`: name -> [(token ids, logprobs)]."""
     from rollout_ssd.models.loader import load_pretrained
 
     params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
     out = {}
     for name, method, extras, graphs in ENGINES:
         target = load_pretrained(str(directory / "target"), dtype="float32")
+        target.model.to(device)
         draft = None if method == "ar" else load_pretrained(str(directory / "draft"), dtype="float32")
+        if draft is not None:
+            draft.model.to(device)
         engine = RolloutEngine(target, SpecConfig(method=method, k=3, **extras),
                                EngineConfig(max_batch_size=4, max_model_len=64, cuda_graphs=graphs,
                                             attention=attention), draft=draft)
@@ -255,6 +258,19 @@ def test_triton_engines_equal_sdpa_engines(tmp_path):
         assert [t for t, _ in got[name]] == [t for t, _ in want[name]], name
         for (_, a), (_, b) in zip(got[name], want[name]):
             assert a == pytest.approx(b, abs=1e-5), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_triton_engines_equal_sdpa_engines_on_cuda(tmp_path):
+    """The same equality with the compiled kernel, both engines on the GPU."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from tests.support.models import tiny_pair
+
+    tiny_pair(tmp_path, vocab=48)
+    got, want = _sample_all(tmp_path, "triton", "cuda"), _sample_all(tmp_path, "sdpa", "cuda")
+    for name, *_ in ENGINES:
+        assert [t for t, _ in got[name]] == [t for t, _ in want[name]], name
 
 
 if __name__ == "__main__":
