@@ -3,21 +3,33 @@
 Parts (each timed and fenced: a failing part records its error and the next one runs):
   env        device, versions, copy bandwidth (the roofline the step times are divided by);
   tests      `pytest -m gpu` on the GPU-marked test files;
-  equality   greedy tokens of AR / SD / SSD on a tiny random float32 pair: engine on the device vs the
-             engine on the CPU vs transformers' `generate` on the device;
+  equality   greedy tokens of AR / SD / SSD on a tiny random float32 pair: engine on the device (SDPA and
+             Triton attention, eager and graphed) vs the engine on the CPU vs transformers' `generate`
+             on the device;
+  fused      the decoder's RMSNorm (fused float32 normalisation, HF's rounding order) against HF's
+             written-out ops on the device, bf16 at Llama-3-8B's width: equal elements, time of each;
+  attention  SDPA vs the Triton span kernel (EngineConfig.attention) at Llama-3-8B's attention shape
+             (bf16): decode, verify (T=K+1) and a tree step over ragged contexts, each backend's max
+             error against float64 (the kernel may err at most 2 x SDPA + eps/8) and its time;
   steps      eager vs static-graphed decode (T=1) and verify (T=K+1) step times at batch 1 / 16 / 64 on
-             random Llama-3-8B- and 1B-shaped models (bf16), against each model's weight-read time;
+             random Llama-3-8B- and 1B-shaped models (bf16), against each model's weight-read time,
+             with SDPA and with the Triton backend;
+  memory     the KV cache sized from free GPU memory (EngineConfig.gpu_memory_utilization): the slots an
+             engine over the random 8B target gets, then a prefill and decode of its largest batch,
+             and the peak memory against the utilization's share of the GPU;
   overlap    target verify and draft tree steps on two CUDA streams at once vs one after the other;
   predict    Theorem 7's SSD/SD and SSD/AR from the measured costs (docs/THEORY.md), for a draft
              accepting `--accept` per token with hit rate `--p-hit`.
 `--cpu-smoke` runs the same logic on tiny shapes on the CPU (CI runs it), so the script is tested
-before device time is spent on it. No network and no checkpoints are needed: models are built from
+before device time is spent on it: the Triton parts run there only under TRITON_INTERPRET=1 (the test
+sets it), and `memory` reads a pretend device's free memory. No network and no checkpoints are needed: models are built from
 configs with random weights (their acceptance is meaningless; they time the mechanics).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -79,7 +91,7 @@ def part_env(device: torch.device, smoke: bool) -> dict:
 
 def part_tests(device: torch.device, smoke: bool) -> dict:
     files = ["tests/test_gpu_graphs.py", "tests/test_device_engine.py", "tests/test_tree_attention.py",
-             "tests/test_weight_sync.py"]
+             "tests/test_attention_backends.py", "tests/test_weight_sync.py"]
     # smoke: the same call on one CPU case (the GPU cases skip on a CPU)
     marks = ["-m", "not gpu", "-k", "bucket"] if smoke else ["-m", "gpu"]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *marks, *files]
@@ -105,6 +117,17 @@ def tiny_pair(directory: Path) -> tuple[str, str]:
     return str(directory / "target"), str(directory / "draft")
 
 
+def triton_here(device: torch.device) -> bool:
+    """Whether the Triton backend runs on `device`: a CUDA device with triton, or the CPU interpreter."""
+    import importlib.util
+
+    from rollout_ssd.models.attention import triton_interpreted
+
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and triton_interpreted())
+
+
 def part_equality(device: torch.device, smoke: bool) -> dict:
     from transformers import LlamaForCausalLM
 
@@ -122,17 +145,21 @@ def part_equality(device: torch.device, smoke: bool) -> dict:
             gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=params.max_new_tokens,
                               do_sample=False, pad_token_id=0)
             want.append(gen[0, len(p):].tolist())
-        places = [("cpu", False), ("cpu", True)] + ([(str(device), False), (str(device), True)]
-                                                    if device.type != "cpu" else [])
+        places = [("cpu", False, "sdpa"), ("cpu", True, "sdpa")]
+        if triton_here(torch.device("cpu")):
+            places.append(("cpu", False, "triton"))
+        if device.type != "cpu":
+            places += [(str(device), graphs, attention) for attention in ("sdpa", "triton")[:1 + triton_here(device)]
+                       for graphs in (False, True)]
         for method in ("ar", "sd", "ssd"):
             row = {}
-            for where, graphs in places:
-                label = f"{where}{'+graphs' if graphs else ''}"
+            for where, graphs, attention in places:
+                label = f"{where}+{attention}{'+graphs' if graphs else ''}"
                 try:
                     engine = RolloutEngine.from_pretrained(target, draft=None if method == "ar" else draft,
                                                            spec=SpecConfig(method=method, k=3, strategy_rule=False),
                                                            dtype="float32", device=where, max_batch_size=4,
-                                                           max_model_len=64, cuda_graphs=graphs)
+                                                           max_model_len=64, cuda_graphs=graphs, attention=attention)
                     try:
                         got = [r.token_ids for r in engine.sample(prompts, params)]
                     finally:
@@ -166,26 +193,33 @@ def random_decoder(shape: str, device: torch.device, dtype: torch.dtype):
 
 
 def time_batch(model, b: int, k: int, context: int, device: torch.device, repeats: int) -> dict:
-    """Eager (`ModelRunner.extend`) vs static-graphed step times of T = 1 and K+1 at batch b."""
+    """Eager (`ModelRunner.extend`) vs static-graphed step times of T = 1 and K+1 at batch b, with SDPA
+    (eager_ms, graphed_ms) and, where it runs, the Triton backend (triton_eager_ms, triton_graphed_ms)."""
     from rollout_ssd.gpu.graphs import GraphedSteps
+    from rollout_ssd.models.attention import SDPABackend, TritonBackend
     from rollout_ssd.runner import ModelRunner
 
     runner = ModelRunner(model, num_slots=b, max_len=context + 8 * (k + 1))
     slots = list(range(b))
     runner.prefill(slots, [[1] * context] * b)
-    graphs = GraphedSteps(model, runner.cache, buckets=(b,))
+    backends = [("", SDPABackend())] + ([("triton_", TritonBackend())] if triton_here(device) else [])
     rows = {}
-    for t in (1, k + 1):
-        feed = [[2] * t] * b
+    for prefix, backend in backends:
+        model.backend = backend
+        graphs = GraphedSteps(model, runner.cache, buckets=(b,))
+        for t in (1, k + 1):
+            feed = [[2] * t] * b
 
-        def rewind():
-            for s in slots:
-                runner.rollback(s, context)
+            def rewind():
+                for s in slots:
+                    runner.rollback(s, context)
 
-        rows[f"b{b}_t{t}"] = {
-            "eager_ms": timed_ms(lambda feed=feed: (runner.extend(slots, feed, last_only=True), rewind()), device, repeats),
-            "graphed_ms": timed_ms(lambda feed=feed: (graphs.run(slots, feed), rewind()), device, repeats),
-        }
+            row = rows.setdefault(f"b{b}_t{t}", {})
+            row[f"{prefix}eager_ms"] = timed_ms(lambda feed=feed: (runner.extend(slots, feed, last_only=True), rewind()),
+                                                device, repeats)
+            row[f"{prefix}graphed_ms"] = timed_ms(lambda feed=feed, graphs=graphs: (graphs.run(slots, feed), rewind()),
+                                                  device, repeats)
+    model.backend = SDPABackend()
     return rows
 
 
@@ -204,6 +238,136 @@ def part_steps(device: torch.device, smoke: bool, k: int, env: dict) -> dict:
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    return out
+
+
+def part_fused(device: torch.device, smoke: bool) -> dict:
+    """The decoder's RMSNorm against HF's written-out ops, bf16 at Llama-3-8B's width (64 rows)."""
+    from rollout_ssd.models.decoder import rms_norm
+
+    def hf(x, w, eps):
+        x32 = x.float()
+        return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    g = torch.Generator().manual_seed(0)
+    hidden = 256 if smoke else 4096
+    x = (3 * torch.randn(64, hidden, generator=g)).to(torch.bfloat16).to(device)
+    w = (1 + 0.2 * torch.randn(hidden, generator=g)).to(torch.bfloat16).to(device)
+    ours, theirs = rms_norm(x, w, 1e-5), hf(x, w, 1e-5)
+    differ = (ours != theirs)
+    ulps = (ours.float() - theirs.float()).abs() / theirs.float().abs().clamp(min=1e-30) / 2 ** -8
+    return {"bitwise_equal": not bool(differ.any()), "differing_fraction": differ.float().mean().item(),
+            "max_diff_bf16_ulps": float(ulps[differ].max()) if bool(differ.any()) else 0.0,
+            "ours_ms": timed_ms(lambda: rms_norm(x, w, 1e-5), device, 20),
+            "hf_ops_ms": timed_ms(lambda: hf(x, w, 1e-5), device, 20)}
+
+
+def attention_case(kind: str, b: int, k: int, context: int, heads: tuple, dtype, device, seed: int):
+    """Random q and cache with ragged contexts, and the KeyLayout a forward of `kind` gives the backend:
+    decode (T=1), verify (T=K+1) or a tree step (8 branches per row, step 2, step-major own tokens).
+    Returns (q, k_cache, v_cache, layout, visible [B, T, L] bool)."""
+    from rollout_ssd.models.attention import KeyLayout
+    from rollout_ssd.ssd.tree import tree_spans
+
+    hq, hkv, d = heads
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.tensor([context - (7 * i) % 32 for i in range(b)])
+    t = {"decode": 1, "verify": k + 1, "tree": 8}[kind]
+    max_len = context + 3 * t + 8
+    cache = [torch.randn(b + 1, hkv, max_len, d, generator=g).to(dtype).to(device) for _ in range(2)]
+    q = torch.randn(b, hq, t, d, generator=g).to(dtype).to(device)
+    keys = torch.arange(max_len)
+    spans = None
+    if kind == "tree":
+        step, counts = 2, torch.full((b,), t)
+        visible_len = starts[:, None] - torch.arange(t)[None, :] % (k + 1)
+        spans = tree_spans(visible_len, starts[:, None], counts, step, k)
+        write_pos = starts[:, None] + step * t + torch.arange(t)[None, :]
+        visible = ((keys >= spans[..., 0, None]) & (keys < spans[..., 1, None])).any(dim=2)
+        spans = spans.to(device)
+    else:
+        write_pos = starts[:, None] + torch.arange(t)[None, :]
+        visible = keys[None, None, :] <= write_pos[:, :, None]
+    read_len = int(write_pos.max()) + 1
+    layout = KeyLayout(list(range(b)), True, read_len, write_pos.to(device), None, None, spans, device)
+    return q, cache[0], cache[1], layout, visible[:, :, :read_len]
+
+
+def one_attention(backend, q, k_cache, v_cache, layout, scale):
+    return backend(q, k_cache, v_cache, backend.prepare(layout), scale)
+
+
+def part_attention(device: torch.device, smoke: bool, k: int) -> dict:
+    """SDPA vs the Triton backend on one layer's attention: error against float64 and time per call."""
+    from rollout_ssd.models.attention import SDPABackend, TritonBackend
+
+    heads, dtype = ((4, 2, 16), torch.float32) if smoke else ((32, 8, 128), torch.bfloat16)
+    context = 32 if smoke else 2048
+    backends = {"sdpa": SDPABackend()}
+    if triton_here(device):
+        backends["triton"] = TritonBackend()
+    out = {"dtype": str(dtype), "heads": heads, "context": context, "triton": "triton" in backends}
+    for kind in ("decode", "verify", "tree"):
+        for b in ((1, 4) if smoke else (1, 16, 64)):
+            q, kc, vc, layout, visible = attention_case(kind, b, k, context, heads, dtype, device, seed=b)
+            group = heads[0] // heads[1]
+            kr = kc[:b, :, :layout.read_len].double().repeat_interleave(group, dim=1)
+            vr = vc[:b, :, :layout.read_len].double().repeat_interleave(group, dim=1)
+            scores = (q.double() @ kr.transpose(-1, -2)) * heads[2] ** -0.5
+            scores = scores.masked_fill(~visible[:, None].to(device), float("-inf"))
+            expected = torch.softmax(scores, dim=-1) @ vr  # [B, Hq, T, D] float64
+            row = {}
+            for name, backend in backends.items():
+                run = functools.partial(one_attention, backend, q, kc, vc, layout, heads[2] ** -0.5)
+                row[f"{name}_err"] = (run().double() - expected).abs().max().item()
+                row[f"{name}_ms"] = timed_ms(run, device, 5 if smoke else 20)
+            if "triton" in backends:
+                row["triton_within_2x_sdpa"] = row["triton_err"] <= 2 * row["sdpa_err"] + torch.finfo(dtype).eps / 8
+            out[f"{kind}_b{b}"] = row
+    return out
+
+
+def part_memory(device: torch.device, smoke: bool) -> dict:
+    """An engine over the random 8B target sized from free memory (utilization 0.9), then a prefill and
+    a few decode steps of its largest batch; peak memory against 0.9 x the GPU. On a CPU (smoke) the
+    free memory is a pretend 1 GiB device's (a few hundred slots fit)."""
+    from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig
+    from rollout_ssd.gpu import memory
+    from rollout_ssd.models.loader import LoadedModel
+
+    model, _ = random_decoder("tiny-target" if smoke else "llama3-8b", device, torch.float32 if smoke else torch.bfloat16)
+    reading = memory.device_memory
+    if device.type != "cuda":
+        memory.device_memory = lambda dev: (int(0.7 * 2**30), 2**30)  # pretend: 0.7 GiB free of 1
+    try:
+        config = EngineConfig(max_batch_size=512, max_model_len=256 if smoke else 2048, gpu_memory_utilization=0.9)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        free, total = memory.device_memory(device)
+        ours_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        engine = RolloutEngine(LoadedModel(model, None, None, "random"), SpecConfig(), config)
+    finally:
+        memory.device_memory = reading
+    slots = engine.runner.cache.num_slots
+    out = {"free_gb": free / 1e9, "total_gb": total / 1e9, "slots": slots, "max_model_len": config.max_model_len,
+           "kv_gb": 2 * sum(t.numel() * t.element_size() for t in engine.runner.cache.keys) / 1e9}
+    batch = min(slots, 8 if smoke else 128)
+    prompts = [[1 + i % 7] * (32 if smoke else 512) for i in range(batch)]
+    t0 = time.perf_counter()
+    try:
+        engine.sample(prompts, SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))
+        out["ran"] = True
+    except Exception as err:  # an out-of-memory here means the reserve is too small: the finding
+        out["ran"] = f"{type(err).__name__}: {err}"[:300]
+    finally:
+        engine.close()
+    out["batch"], out["seconds"] = batch, time.perf_counter() - t0
+    if device.type == "cuda":  # in use at the peak: other processes' memory, and this process's allocator peak
+        in_use = (total - free - ours_before) + torch.cuda.max_memory_reserved(device)
+        out.update(peak_in_use_gb=in_use / 1e9, budget_gb=0.9 * total / 1e9, within_budget=in_use <= 0.9 * total)
+    del engine, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 
@@ -257,7 +421,7 @@ def part_predict(steps: dict, k: int, accept: float, p_hit: float) -> dict:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (the script's own test)")
-    parser.add_argument("--parts", default="env,tests,equality,steps,overlap,predict")
+    parser.add_argument("--parts", default="env,tests,equality,fused,attention,steps,overlap,memory,predict")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--accept", type=float, default=0.8)
     parser.add_argument("--p-hit", type=float, default=0.8)
@@ -270,7 +434,10 @@ def main(argv=None) -> dict:
         "env": lambda: part_env(device, smoke),
         "tests": lambda: part_tests(device, smoke),
         "equality": lambda: part_equality(device, smoke),
+        "fused": lambda: part_fused(device, smoke),
+        "attention": lambda: part_attention(device, smoke, args.k),
         "steps": lambda: part_steps(device, smoke, args.k, result["env"]),
+        "memory": lambda: part_memory(device, smoke),
         "overlap": lambda: part_overlap(device, smoke, args.k, result["steps"]),
         "predict": lambda: part_predict(result["steps"], args.k, args.accept, args.p_hit),
     }

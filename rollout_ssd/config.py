@@ -94,19 +94,34 @@ class SpecConfig:
             raise ValueError(str(err).replace("SSDConfig.", "SpecConfig.")) from None
 
 
+ATTENTION = ("auto", "sdpa", "triton")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """Batching and memory. max_batch_size: sequences decoded together (= KV slots).
+    """Batching, memory and the GPU path. max_batch_size: sequences decoded together (= KV slots, fewer
+    when the memory limits below say so).
     max_model_len: prompt + generated tokens per sequence (default: the model's context, capped at 2048).
     kv_cache_bytes: optional cap on the KV cache; max_batch_size is lowered to fit under it.
+    gpu_memory_utilization: used when the target is on a CUDA device and kv_cache_bytes is None: the KV
+    cache gets what the GPU has free once the weights are placed, so that at most this fraction of the
+    GPU's total memory is in use, less a reserve for the forwards' buffers (rollout_ssd/gpu/memory.py);
+    max_batch_size is lowered to fit, and a ValueError names this knob when not one sequence fits.
     cuda_graphs: decode and verify steps of equal-length rows run as static-shape steps per batch bucket
     (rollout_ssd/gpu/graphs.py), captured as CUDA graphs on a CUDA device; on a CPU they run eagerly
-    (correct, and slower than the default path: for tests)."""
+    (correct, and slower than the default path: for tests).
+    attention: the attention backend of the models the engine runs (models/attention.py): "sdpa"
+    (PyTorch SDPA with a dense visibility mask), "triton" (the span-based Triton kernel for decode,
+    verify and SSD's tree steps; prefill stays on SDPA), or "auto" (triton on a CUDA device when triton
+    imports, else sdpa). "triton" on a CPU runs under Triton's interpreter only (TRITON_INTERPRET=1 set
+    before triton is first imported: for tests), and is a ValueError otherwise."""
 
     max_batch_size: int = 32
     max_model_len: Optional[int] = None
     kv_cache_bytes: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
     cuda_graphs: bool = False
+    attention: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -115,5 +130,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if self.kv_cache_bytes is not None and (not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes < 1):
             raise ValueError(f"EngineConfig.kv_cache_bytes must be a positive integer, got {self.kv_cache_bytes!r}")
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0.0 < util <= 1.0:
+            raise ValueError(f"EngineConfig.gpu_memory_utilization must be a number in (0, 1], got {util!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"EngineConfig.cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"EngineConfig.attention must be one of {ATTENTION}, got {self.attention!r}")

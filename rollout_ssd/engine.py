@@ -27,6 +27,7 @@ from rollout_ssd.edges import Edges
 from rollout_ssd.kv_cache import KVCache
 from rollout_ssd.methods import BuildContext, make_strategy
 from rollout_ssd.metrics import EngineMetrics
+from rollout_ssd.models.attention import select_backend
 from rollout_ssd.models.loader import LoadedModel, load_pretrained
 from rollout_ssd.params import Prompt, Rollout, SamplingParams
 from rollout_ssd.request import Request
@@ -35,23 +36,69 @@ from rollout_ssd.scheduler import Scheduler
 from rollout_ssd.updates import TargetWeights, UpdateQueue
 
 
-def _context(target: LoadedModel, engine: EngineConfig) -> tuple[int, int]:
-    """(max_model_len, KV slots) for this target under `engine`'s limits."""
+def _context(target: LoadedModel, engine: EngineConfig, spec: SpecConfig,
+             draft: Optional[LoadedModel]) -> tuple[int, int]:
+    """(max_model_len, KV slots) for this target under `engine`'s limits: max_batch_size slots, fewer
+    when kv_cache_bytes caps the cache or, on a CUDA target without that cap, when the GPU's free memory
+    holds fewer (`_slots_on_gpu`)."""
     cfg = target.model.cfg
     if engine.max_model_len is not None and engine.max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"EngineConfig.max_model_len={engine.max_model_len} exceeds the model's context "
                          f"(max_position_embeddings={cfg.max_position_embeddings})")
     max_len = engine.max_model_len or min(cfg.max_position_embeddings, 2048)
     slots = engine.max_batch_size
+    per_slot = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, target.model.dtype) * max_len
     if engine.kv_cache_bytes is not None:
-        per_slot = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, target.model.dtype) * max_len
         slots = min(slots, engine.kv_cache_bytes // per_slot)
         if slots < 1:
             raise ValueError(
                 f"EngineConfig.kv_cache_bytes={engine.kv_cache_bytes} cannot hold one sequence of "
                 f"max_model_len={max_len} ({per_slot} bytes)"
             )
+    else:
+        slots = _slots_on_gpu(target, engine, spec, draft, max_len, per_slot) or slots
     return max_len, slots
+
+
+def _slots_on_gpu(target: LoadedModel, engine: EngineConfig, spec: SpecConfig, draft: Optional[LoadedModel],
+                  max_len: int, per_slot: int) -> Optional[int]:
+    """KV slots that fit in the target GPU's free memory (gpu/memory.py), None off CUDA. A slot costs the
+    target's KV of one full sequence plus the draft's when the draft's KV lives on the same device (SD's
+    draft model; SSD's draft side unless `draft_device` puts it on another one), and the step reserve
+    counts the draft's forwards too (SSD's tree: every branch's logits and q)."""
+    from rollout_ssd.gpu import memory
+    from rollout_ssd.gpu.devices import resolved
+    from rollout_ssd.gpu.graphs import BUCKETS, MAX_STEP_TOKENS, bucket_for
+    from rollout_ssd.runner import PREFILL_TOKENS_PER_FORWARD
+
+    device = target.model.embed.device
+    measured = memory.device_memory(device)
+    if measured is None:
+        return None
+    rows = engine.max_batch_size  # a static step pads its rows to the bucket
+    rows = bucket_for(rows) if engine.cuda_graphs and rows <= BUCKETS[-1] else rows
+    reserve = memory.FIXED_MARGIN_BYTES + memory.step_reserve_bytes(
+        target.model.cfg, target.model.dtype, rows, MAX_STEP_TOKENS, PREFILL_TOKENS_PER_FORWARD, max_len)
+    draft_len, draft_device, tree_bytes = None, None, 0
+    if draft is not None and spec.method == "sd" and spec.speculator == "draft":
+        draft_len, draft_device = max_len, draft.model.embed.device
+    elif draft is not None and spec.method == "ssd":
+        from rollout_ssd.ssd.draft_server import draft_max_len
+
+        ssd = spec.ssd_config()
+        draft_len = draft_max_len(max_len, ssd.k, ssd.max_branches)
+        draft_device = torch.device(ssd.draft_device) if ssd.draft_device else draft.model.embed.device
+        # the tree's float32 q [R, branches, k, V] and the cache entries' copy, and one step's logits
+        tree_bytes = rows * ssd.max_branches * draft.model.cfg.vocab_size * (2 * 4 * ssd.k + 8)
+    if draft_len is not None and resolved(draft_device) == resolved(device):
+        dcfg = draft.model.cfg
+        per_slot += KVCache.bytes_per_token(dcfg.num_layers, dcfg.num_kv_heads, dcfg.head_dim,
+                                            draft.model.dtype) * draft_len
+        reserve += tree_bytes + memory.step_reserve_bytes(dcfg, draft.model.dtype, rows, MAX_STEP_TOKENS,
+                                                          PREFILL_TOKENS_PER_FORWARD, draft_len)
+    free, total = measured
+    return memory.kv_slots_that_fit(free, total, per_slot, reserve, engine.gpu_memory_utilization,
+                                    engine.max_batch_size)
 
 
 class RolloutEngine:
@@ -60,7 +107,10 @@ class RolloutEngine:
         self.target = target
         self.spec = spec
         self.config = engine
-        self.max_model_len, slots = _context(target, engine)
+        self.max_model_len, slots = _context(target, engine, spec, draft)
+        for loaded in (target, draft):  # the attention backend of each model the engine runs, by its device
+            if loaded is not None:
+                loaded.model.backend = select_backend(engine.attention, loaded.model.embed.device)
         self.runner = ModelRunner(target.model, num_slots=slots, max_len=self.max_model_len)
         if engine.cuda_graphs:
             self.runner.use_static_steps()

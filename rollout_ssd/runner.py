@@ -1,6 +1,6 @@
 """ModelRunner: a model's forwards over its KV cache for a batch of slots.
 
-It knows nothing of sampling or speculation: it turns (slot, new tokens[, positions, mask]) into
+It knows nothing of sampling or speculation: it turns (slot, new tokens[, positions, mask or spans]) into
 logits and keeps the cache lengths right. Everything runs under `torch.inference_mode`.
 """
 
@@ -53,11 +53,12 @@ class ModelRunner:
     @torch.inference_mode()
     def extend(self, slots: Sequence[int], tokens: Sequence[Sequence[int]],
                positions: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
-               last_only: bool = False, head_only: bool = False) -> torch.Tensor:
+               last_only: bool = False, head_only: bool = False, spans: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Append tokens[b] to slot b and return float32 logits [B, T, V] (or [B, V] at each row's last
         new token if last_only). positions: optional [B, T] (default: consecutive after the cache);
-        mask: optional [B, T, L] bool over cache positions (default: causal). head_only: logits over the
-        LM head's rows only (`Decoder.head_logits`: a restricted head's width, not the vocabulary's)."""
+        mask: optional [B, T, L] bool over cache positions, or spans: optional [B, T, S, 2] int half-open
+        key spans per query (`ForwardBatch`; default: causal). head_only: logits over the LM head's rows
+        only (`Decoder.head_logits`: a restricted head's width, not the vocabulary's)."""
         b = len(slots)
         if b == 0:
             raise ValueError("extend needs at least one row")
@@ -65,7 +66,7 @@ class ModelRunner:
         if min(num_new) < 1:
             raise ValueError("every row needs at least one new token")
         t_max = max(num_new)
-        if self.static is not None and positions is None and mask is None and not head_only \
+        if self.static is not None and positions is None and mask is None and spans is None and not head_only \
                 and min(num_new) == t_max and self.static.fits(b, t_max):
             return self.static.run(list(slots), tokens, last_only=last_only)
         starts = [self.cache.lengths[s] for s in slots]
@@ -79,7 +80,9 @@ class ModelRunner:
         tok, positions = tok.to(dev, non_blocking=True), positions.to(dev, non_blocking=True)
         if mask is not None:
             mask = mask.to(dev, non_blocking=True)
-        batch = ForwardBatch(tok, positions, num_new, list(slots), starts, mask)
+        if spans is not None:
+            spans = spans.to(dev, non_blocking=True)
+        batch = ForwardBatch(tok, positions, num_new, list(slots), starts, mask, spans)
         hidden = self.model(batch, self.cache)
         logits = self.model.head_logits if head_only else self.model.logits
         if last_only:

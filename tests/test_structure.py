@@ -12,7 +12,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "rollout_ssd"
-CITING = [PACKAGE, REPO / "bench", REPO / "recipes", REPO / "tests", REPO / "kernels"]
+CITING = [PACKAGE, REPO / "bench", REPO / "recipes", REPO / "tests"]
 
 
 def _sources(roots):
@@ -58,8 +58,8 @@ def test_every_cited_document_section_and_theorem_exists():
 
 
 def test_every_package_is_listed_for_the_wheel():
-    """pyproject.toml lists packages explicitly (kernels/ installs under another name): a new subpackage
-    missing there works in the editable install and is absent from a wheel."""
+    """pyproject.toml lists packages explicitly: a new subpackage missing there works in the editable
+    install and is absent from a wheel."""
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(REPO).parts) for p in PACKAGE.rglob("__init__.py")}

@@ -1,9 +1,9 @@
-"""Tree attention (kernels/): mask semantics, the SDPA path, and the Triton kernel.
+"""Tree attention (rollout_ssd/kernels/): mask semantics, the SDPA path, and the Triton kernel.
 
 Accuracy rule on the CPU (interpreter): against a float64 reference, every output element of the
 Triton kernel must be within a rounding-error bound derived from the kernel's arithmetic (fp32 sums,
 P rounded to the cache dtype, output rounded to it) and computed in float64 from the case itself; see
-`_attention_error_bound`. It depends on the inputs only, not on this CPU's SDPA or BLAS, so the rule is
+tests/support/attention_bound.py. It depends on the inputs only, not on this CPU's SDPA or BLAS, so the rule is
 the same on every CPU kind (torch's CPU SDPA is more accurate on CPUs with native bfloat16, which made
 the former "2 x SDPA's error" rule fail there). On a CUDA machine the compiled kernel keeps
 flash-attention's rule: at most twice the error of that GPU's own SDPA, plus eps/8. Everything is
@@ -19,7 +19,7 @@ back; the assertions stay here. On a CUDA machine the compiled kernel is also ch
 from __future__ import annotations
 
 import functools
-import importlib.util
+import importlib
 import os
 import subprocess
 import sys
@@ -28,22 +28,17 @@ from pathlib import Path
 import pytest
 import torch
 
-KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+from rollout_ssd.kernels import reference as ref
+from tests.support.attention_bound import attention_error_bound
+
+REPO = Path(__file__).resolve().parents[1]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _load(name: str, path: Path):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-ref = _load("rollout_ssd_kernels_reference", KERNELS / "reference.py")
 Meta = ref.TreeAttentionMetadata
+
+
+def _kernel():
+    """rollout_ssd.kernels.tree_attention (imports triton: in this process only where its mode is right)."""
+    return importlib.import_module("rollout_ssd.kernels.tree_attention")
 
 
 def _int(*values: int) -> torch.Tensor:
@@ -221,62 +216,14 @@ def _assert_within_twice_sdpa(out: torch.Tensor, case, dtype, sdpa_error: float)
     assert kernel_error <= 2 * sdpa_error + torch.finfo(dtype).eps / 8, (kernel_error, sdpa_error)
 
 
-# An fp32 sum of n terms errs by lambda * sqrt(n) * u * sum |terms|: rounding errors modelled as
-# independent and zero-mean grow like sqrt(n) (Higham & Mary, "A new approach to probabilistic
-# rounding error analysis", SISC 2019), lambda standard deviations. The worst case n * u is never met
-# by a real summation and would let a much less accurate kernel pass. With lambda = 2 the float32
-# kernel reaches 0.09-0.17 of the bound here (torch's CPU SDPA 0.08-0.20 on an AVX-512 bf16 CPU), and
-# fails it when shifted by 1e-6 or scaled by 1 + 32 eps: room for another summation order (BLAS, CPU
-# kind), none for the bugs it guards against (TF32 products err by 2^-11 relative each, P rounded to
-# 16 bits by 2^-9 B, hundreds of times the float32 terms).
-_LAMBDA = 2.0
-# exp2 in float32 errs by a few ulp (PTX ex2.approx: 2 ulp; numpy's SIMD exp2 under the interpreter
-# a few); allow 4 ulp = 8 u (u = eps / 2, the unit roundoff).
-_EXP2_U = 8.0
-
-
 @functools.cache
 def _attention_error_bound(case, dtype) -> torch.Tensor:
-    """[Nq, Hq, D] float64: how far a correct kernel's output element may be from the fp64 reference.
-
-    First order in the unit roundoffs u (fp32) and u16 (the cache dtype; 0 for float32), for one
-    query head with fp64 scores s_j, weights w_j, max score m, output o (per element, like v_j):
-
-      score s_j (D-term dot product, times a rounded scale, in fp32): lambda sqrt(D) u a_j + 2 u a_j,
-        a_j = scale * sum_d |q_d k_jd|. The online softmax subtracts a running max <= m: u (m - s_j).
-        exp2: _EXP2_U u. A relative error e_j of weight j moves o by sum_j w_j e_j (v_j - o), so
-        these give u [(lambda sqrt(D) + 2) A + C + _EXP2_U K] with A = sum_j w_j a_j |v_j - o|,
-        C = sum_j w_j (m - s_j) |v_j - o|, K = sum_j w_j |v_j - o| (the softmax's condition).
-      P V and the row sum l (n visible keys; at most 2n roundings each: n adds, at most one rescale
-        per block): lambda sqrt(2n) u (B + |o|) with B = sum_j w_j |v_j|; the final division: u |o|.
-        The rescale factor 2^(m_old - m_new) multiplies P V and l alike, so its own error cancels.
-      16-bit caches: q, k products are exact in fp32 (8+8 or 11+11 significand bits <= 24); P rounded
-        to the cache dtype for P V: u16 B; the output rounded to it: u16 |o|. (fp16 subnormal P below
-        2^-14 errs by at most 2^-25 absolute per key, under 1% of u16 B at these sizes: neglected.)
-    """
+    """[Nq, Hq, D] float64: how far a correct kernel's output element may be from the fp64 reference
+    (tests/support/attention_bound.py derives it)."""
     seed, hkv, group, head_dim, _, packed = case
     q, k_cache, v_cache, meta = _make_case(seed, hkv, group, head_dim, dtype, packed)
-    u = torch.finfo(torch.float32).eps / 2
-    u16 = 0.0 if dtype == torch.float32 else torch.finfo(dtype).eps / 2
-    scale = head_dim ** -0.5
-    visible = ref.build_tree_mask(meta, k_cache.shape[2])[:, None, :]                   # [Nq, 1, L]
-    q = q.double()
-    k = k_cache[meta.slot].double().repeat_interleave(group, dim=1)                     # [Nq, Hq, L, D]
-    v = v_cache[meta.slot].double().repeat_interleave(group, dim=1)
-    s = torch.einsum("qhd,qhld->qhl", q, k) * scale
-    s = s.masked_fill(~visible, float("-inf"))
-    w = torch.softmax(s, dim=-1)                                                         # 0 where hidden
-    o = torch.einsum("qhl,qhld->qhd", w, v)
-    a = torch.einsum("qhd,qhld->qhl", q.abs(), k.abs()) * scale
-    gap = torch.where(visible, s.amax(dim=-1, keepdim=True) - s, 0.0)                    # m - s_j
-    spread = (v - o[:, :, None, :]).abs()                                                # |v_j - o|
-    weighted = lambda x: torch.einsum("qhl,qhld->qhd", w * x, spread)
-    big_a, big_c, big_k = weighted(a), weighted(gap), weighted(torch.ones_like(w))
-    big_b = torch.einsum("qhl,qhld->qhd", w, v.abs())
-    n = visible.sum(dim=-1, keepdim=True).double()                                       # [Nq, 1, 1]
-    scores = (_LAMBDA * head_dim ** 0.5 + 2) * big_a + big_c + _EXP2_U * big_k
-    sums = _LAMBDA * (2 * n).sqrt() * (big_b + o.abs()) + o.abs()
-    return u * (scores + sums) + u16 * (big_b + o.abs())
+    visible = ref.build_tree_mask(meta, k_cache.shape[2])
+    return attention_error_bound(q, k_cache, v_cache, meta.slot, visible, dtype)[1]
 
 
 def _assert_within_error_bound(out: torch.Tensor, case, dtype) -> None:
@@ -314,7 +261,7 @@ def _poisoned_case():
 
 def _triton_worker(cases_path: str, outputs_path: str) -> None:
     """Child process, TRITON_INTERPRET=1 set before triton is imported: run every saved case."""
-    kernel = _load("rollout_ssd_kernels_tree_attention", KERNELS / "tree_attention.py")
+    kernel = _kernel()
     cases = torch.load(cases_path)
     outputs = {}
     for name, case in cases.items():
@@ -329,7 +276,7 @@ def _late_interpreter_worker() -> None:
     import triton  # noqa: F401  (imported before the variable is set, on purpose)
 
     os.environ["TRITON_INTERPRET"] = "1"
-    kernel = _load("rollout_ssd_kernels_tree_attention", KERNELS / "tree_attention.py")
+    kernel = _kernel()
     meta, _ = _hand_case()
     cache = torch.zeros(2, 1, 11, 16)
     try:
@@ -343,6 +290,7 @@ def _run_child(*args: str, interpret: bool) -> subprocess.CompletedProcess:
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     result = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -393,7 +341,7 @@ def test_triton_needs_the_interpreter_before_triton_is_imported():
 @pytest.mark.parametrize("case, dtype", ALL, ids=IDS)
 def test_triton_compiled_within_twice_sdpa_error(case, dtype):
     pytest.importorskip("triton", reason="triton is not installed")
-    kernel = _load("rollout_ssd_kernels_tree_attention", KERNELS / "tree_attention.py")
+    kernel = _kernel()
     seed, hkv, group, head_dim, block_n, packed = case
     q, k_cache, v_cache, meta = _make_case(seed, hkv, group, head_dim, dtype, packed)
     q, k_cache, v_cache, meta = q.cuda(), k_cache.cuda(), v_cache.cuda(), meta.to("cuda")

@@ -9,7 +9,6 @@ P(argmax q == argmax p). Averaged per token, this is the expectation of spec/acc
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -17,6 +16,7 @@ import torch
 
 from rollout_ssd.draft.drift import visited_logits
 from rollout_ssd.draft.on_policy import sample_continuations
+from rollout_ssd.gpu.timing import DeviceTimer
 from rollout_ssd.models.decoder import Decoder
 from rollout_ssd.runner import ModelRunner
 
@@ -63,7 +63,8 @@ def measure_cost(target: Decoder, draft: Decoder, batch_sizes: Sequence[int] = (
                  steps: int = 30) -> dict[int, dict[str, float]]:
     """Seconds per decode step of target and draft at each batch size (`context` tokens already cached),
     median over `steps` steps after a warm-up, and the ratio draft / target. Target and draft steps
-    alternate, so load from other processes hits both alike."""
+    alternate, so load from other processes hits both alike. Each step is timed as device work
+    (gpu/timing.DeviceTimer: CUDA events on a GPU, where perf_counter would time the launches)."""
     out = {}
     for b in batch_sizes:
         runners = {}
@@ -73,12 +74,13 @@ def measure_cost(target: Decoder, draft: Decoder, batch_sizes: Sequence[int] = (
             runner.prefill(slots, [[1] * context for _ in range(b)])
             runners[name] = (runner, slots)
         times: dict[str, list[float]] = {"target": [], "draft": []}
+        timers = {name: DeviceTimer(runner.device) for name, (runner, _) in runners.items()}
         for i in range(steps + 3):
             for name, (runner, slots) in runners.items():
-                t0 = time.perf_counter()
-                runner.decode(slots, [7 + i] * b)
+                with timers[name]:
+                    runner.decode(slots, [7 + i] * b)
                 if i >= 3:
-                    times[name].append(time.perf_counter() - t0)
+                    times[name].append(timers[name].seconds)
         med = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
         out[b] = {"target_s": med["target"], "draft_s": med["draft"], "ratio": med["draft"] / med["target"]}
     return out

@@ -54,7 +54,8 @@ def as_pairs(sequences: Sequence[Any]) -> list[tuple[list[int], list[int]]]:
 @torch.no_grad()
 def visited_logits(model, pairs: Sequence[Pair], batch_size: int = 8) -> torch.Tensor:
     """float32 logits at every visited position, concatenated in order: [N, V] (N = total completion
-    tokens). model: a Decoder (`forward_train`, `logits`)."""
+    tokens). model: a Decoder (`forward_train`, `logits`); the inputs go to its device."""
+    device = model.embed.device
     rows = []
     order = [i for i, (_, c) in enumerate(pairs) if c]
     for start in range(0, len(order), batch_size):
@@ -63,7 +64,7 @@ def visited_logits(model, pairs: Sequence[Pair], batch_size: int = 8) -> torch.T
         tokens = torch.zeros(len(chunk), max(len(x) for x in inputs), dtype=torch.long)  # right-padded
         for b, x in enumerate(inputs):
             tokens[b, :len(x)] = torch.tensor(x)
-        hidden = model.forward_train(tokens)  # [B, T, H]; causal, so padding never reaches a real row
+        hidden = model.forward_train(tokens.to(device))  # [B, T, H]; causal, so padding never reaches a real row
         for b, (p, c) in enumerate(chunk):
             rows.append(model.logits(hidden[b, len(p) - 1:len(p) - 1 + len(c)]).float())
     if not rows:
@@ -102,10 +103,12 @@ def token_mult_prob_error(logp_learner: Union[torch.Tensor, Sequence[Sequence[fl
     Tensors of one shape (with an optional 0/1 mask of that shape), or ragged per-sequence lists whose
     lengths match pairwise. 1.0 exactly when the two agree."""
     if isinstance(logp_learner, torch.Tensor) or isinstance(logp_rollout, torch.Tensor):
-        a, b = torch.as_tensor(logp_learner).double(), torch.as_tensor(logp_rollout).double()
+        device = (logp_learner if isinstance(logp_learner, torch.Tensor) else logp_rollout).device
+        a = torch.as_tensor(logp_learner, device=device).double()
+        b = torch.as_tensor(logp_rollout, device=device).double()
         if a.shape != b.shape:
             raise ValueError(f"logprob shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
-        m = torch.ones_like(a) if mask is None else torch.as_tensor(mask).double()
+        m = torch.ones_like(a) if mask is None else torch.as_tensor(mask, device=device).double()
         if m.shape != a.shape:
             raise ValueError(f"mask shape {tuple(m.shape)} does not match {tuple(a.shape)}")
     else:

@@ -86,7 +86,8 @@ class DraftFollower:
         self.draft = draft
         self.config = config
         vocab = draft.cfg.vocab_size
-        self._index = head_index(draft) if draft.head_token_ids is not None else torch.arange(vocab)
+        self._index = head_index(draft) if draft.head_token_ids is not None else \
+            torch.arange(vocab, device=draft.embed.device)
         self._optimizer: Optional[torch.optim.Optimizer] = None
         self._rng = random.Random(config.seed)
         self.updates = 0
@@ -142,7 +143,7 @@ class DraftFollower:
                 cur, n = [], 0
         if cur:
             groups.append(cur)
-        return [make_batch(g) for g in groups]
+        return [make_batch(g, self.draft.embed.device) for g in groups]
 
     def _train(self, batches) -> list[float]:
         cfg = self.config

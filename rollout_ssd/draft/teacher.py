@@ -34,10 +34,12 @@ class TeacherSample:
 
 @torch.no_grad()
 def save_samples(path, samples: Sequence[TeacherSample], next_prompt: int) -> None:
-    """A data cache of plain lists, ints and tensors (loadable with torch.load(weights_only=True))."""
+    """A data cache of plain lists, ints and host tensors (loadable with torch.load(weights_only=True) on
+    any machine: tensors made on a GPU are copied to the host)."""
     torch.save({"format": "teacher-samples-v1", "next_prompt": int(next_prompt),
                 "token_ids": [list(s.token_ids) for s in samples], "prompt_len": [int(s.prompt_len) for s in samples],
-                "topk_ids": [s.topk_ids for s in samples], "topk_logp": [s.topk_logp for s in samples]}, path)
+                "topk_ids": [s.topk_ids.cpu() for s in samples], "topk_logp": [s.topk_logp.cpu() for s in samples]},
+               path)
 
 
 def load_samples(path) -> tuple[list[TeacherSample], int]:
@@ -59,12 +61,14 @@ def topk_logp(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
 def teacher_topk(target: Decoder, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int],
                  top_k: int = 64) -> list[TeacherSample]:
     """The teacher's top-k log-probs over the completion part of existing sequences (one
-    `forward_train` per sequence; for rollouts made elsewhere, e.g. by the engine in RL)."""
+    `forward_train` per sequence; for rollouts made elsewhere, e.g. by the engine in RL). The token ids go
+    to the target's device; the samples' tensors stay there."""
+    device = target.embed.device
     out = []
     for seq, plen in zip(sequences, prompt_lens):
         if len(seq) <= plen or plen < 1:
             continue
-        hidden = target.forward_train(torch.tensor([list(seq[:-1])]))[0, plen - 1:]
+        hidden = target.forward_train(torch.tensor([list(seq[:-1])], device=device))[0, plen - 1:]
         ids, logp = topk_logp(target.logits(hidden), top_k)
         out.append(TeacherSample(list(seq), plen, ids, logp))
     return out

@@ -55,8 +55,9 @@ class TrainStats:
     last_loss: float   # mean of the last 20 steps
 
 
-def _batches(samples: Sequence[TeacherSample], batch_tokens: int, rng: random.Random):
-    """Endless epochs of length-bucketed batches holding about batch_tokens completion positions."""
+def _batches(samples: Sequence[TeacherSample], batch_tokens: int, rng: random.Random, device: torch.device):
+    """Endless epochs of length-bucketed batches holding about batch_tokens completion positions, on
+    `device`."""
     while True:
         order = sorted(range(len(samples)), key=lambda i: (len(samples[i].token_ids), rng.random()))
         groups, cur, n = [], [], 0
@@ -70,7 +71,7 @@ def _batches(samples: Sequence[TeacherSample], batch_tokens: int, rng: random.Ra
             groups.append(cur)
         rng.shuffle(groups)
         for g in groups:
-            yield make_batch([samples[i] for i in g])
+            yield make_batch([samples[i] for i in g], device)
 
 
 def train_draft(draft: Decoder, samples: Sequence[TeacherSample], config: DistillConfig,
@@ -88,7 +89,7 @@ def train_draft(draft: Decoder, samples: Sequence[TeacherSample], config: Distil
     start = time.monotonic()
     losses: list[float] = []
     seen = step = 0
-    for batch in _batches(samples, config.batch_tokens, rng):
+    for batch in _batches(samples, config.batch_tokens, rng, draft.embed.device):
         elapsed = time.monotonic() - start
         if elapsed >= budget or (config.max_steps is not None and step >= config.max_steps):
             break

@@ -3,8 +3,9 @@
 An eager forward (`Decoder.forward`) picks its shape from the batch: the read length, a contiguous
 block write or a gather, a mask or none. A CUDA graph needs the opposite: fixed shapes and fixed
 buffer addresses, with the data changing in place between replays. A `StaticStep` is one such shape:
-`rows` (a batch bucket) x `t` new tokens, reading every slot's whole cache with a visibility mask built
-on the device from the rows' start lengths, so nothing about it depends on the batch's values.
+`rows` (a batch bucket) x `t` new tokens, whose keys are described to the attention backend from
+device tensors only (the rows' slots and write positions: `KeyLayout` over every slot's whole cache),
+so nothing about it depends on the batch's values.
 
 `GraphedSteps` holds one `StaticStep` per (bucket, t) and routes a call to the smallest bucket that
 holds the batch; unused rows write into the KV cache's scratch slot and are dropped from the output.
@@ -12,9 +13,10 @@ On CUDA each step is captured once (warm-up on a side stream, then `torch.cuda.g
 sharing one memory pool, largest first as in nano-vllm) and replayed; on a CPU the same function runs
 eagerly, which is how its results are tested against `Decoder.forward`.
 
-Costs of the static form: attention reads the full `max_len` of each slot (masked) and gathers the
-batch's slots per layer, so it pays off where launch overhead dominates (small batches, short
-contexts); the length-aware attention kernel of issue 17 part B removes the gather and the masked tail.
+Costs of the static form under SDPA: attention reads the full `max_len` of each slot (masked) and
+gathers the batch's slots per layer, so it pays off where launch overhead dominates (small batches,
+short contexts). Under the Triton backend (EngineConfig.attention) each query reads only its own keys
+[0, start + j + 1) of its slot, from spans built on the device: no gather and no masked tail.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Optional, Sequence
 import torch
 
 from rollout_ssd.kv_cache import KVCache
+from rollout_ssd.models.attention import KeyLayout
 from rollout_ssd.models.decoder import Decoder, rms_norm
 
 BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -65,7 +68,6 @@ class StaticStep:
         self.tokens = torch.zeros(rows, t, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, t, dtype=torch.long, device=device)
         self.slot = torch.full((rows,), cache.scratch_slot, dtype=torch.long, device=device)
-        self._keys = torch.arange(cache.max_len, device=device)
         self.output: Optional[torch.Tensor] = None
         self.graph = None  # a torch.cuda.CUDAGraph once captured
 
@@ -93,7 +95,8 @@ class StaticStep:
         model = self.model
         write_pos = self.positions  # [R, T]: row r's new tokens go to start[r] + j
         write_slot = self.slot[:, None].expand(-1, self.t)
-        mask = (self._keys[None, None, :] <= write_pos[:, :, None])[:, None]  # [R, 1, T, L]
+        layout = KeyLayout(self.slot, False, self.cache.max_len, write_pos, None, None, None, self.slot.device)
+        keys = model.backend.prepare(layout)  # causal: query j of row r sees [0, start[r] + j + 1)
         x = torch.nn.functional.embedding(self.tokens, model.embed)
         cos, signed_sin = model.rope_tables(self.positions)
         for i, layer in enumerate(model.layers):
@@ -102,7 +105,7 @@ class StaticStep:
             def attend(q, k, v, kc=kc, vc=vc):
                 kc[write_slot, :, write_pos] = k
                 vc[write_slot, :, write_pos] = v
-                return model.backend(q, kc.index_select(0, self.slot), vc.index_select(0, self.slot), mask, model.scale)
+                return model.backend(q, kc, vc, keys, model.scale)
 
             x = layer(x, cos, signed_sin, attend)
         hidden = rms_norm(x, model.norm, model.cfg.rms_norm_eps)

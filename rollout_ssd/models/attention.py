@@ -1,38 +1,212 @@
-"""Attention backends behind one interface.
+"""Attention backends behind one interface, chosen by `EngineConfig.attention` (`select_backend`).
 
-A backend receives the batch's queries for the new tokens, the full (already written) keys/values of
-the batch's slots up to the longest visible length, and a boolean visibility mask. There is one
-backend today: PyTorch SDPA with the mask, on every device (on CUDA, SDPA itself dispatches to its
-fused kernels). Tree masks (SSD's branch decoding, ssd/tree.py) go through it as well.
+A forward describes its keys once (`KeyLayout`: which slot each row reads, the cache positions its new
+tokens were written to, which are padding, and any visibility the caller gave as a dense mask or as
+key spans); the backend turns that into what it reads (`prepare`, once per forward) and then attends
+each layer's queries over that layer's whole KV cache (`__call__`):
 
-kernels/ holds a Triton tree-attention kernel for GPUs (with its torch reference); it is not wired in:
-nothing in rollout_ssd imports it, and the CPU path never will (Triton runs on CPU only under its
-interpreter, for tests). flash-attn is not used either.
+  sdpa    PyTorch SDPA over the rows' caches cut to the read length (a view when the slots are one
+          run, else a gather), with a dense [B, 1, T, L] visibility mask (none when every query sees
+          every key: the equal-length decode). On every device; on CUDA, SDPA picks its fused kernel.
+  triton  the span-based Triton kernel (rollout_ssd/kernels/tree_attention.py): each query reads only
+          its own keys, given as half-open spans of its slot ([Nq, S, 2] on the device), so no mask is
+          built, no slot is gathered and the masked tail is never loaded. Decode's query sees
+          [0, start + 1); verify's query i sees [0, start + i + 1); an SSD tree step's query sees its
+          prefix and its branch's own tokens (ssd/tree.py). A causal forward of more than
+          `TritonBackend.max_causal_tokens` tokens per row (a prefill) goes through SDPA: one program per
+          query would re-read every key where flash attention tiles the queries. A caller's dense mask
+          is refused (spans are the form this backend reads).
+
+Padded query rows (rows shorter than the forward's T) see key 0 of their slot only: their output is
+dropped, and one visible key keeps the softmax finite. Triton runs on CPU tensors only under its
+interpreter (TRITON_INTERPRET=1 before triton is first imported: the tests run it in a child process),
+so the CPU engine's default stays SDPA.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from abc import ABC, abstractmethod
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 
+from rollout_ssd.config import ATTENTION
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """Where one forward's keys are and which of them each query sees (made once per forward).
+
+    slots: the slot row b reads: a host list (Decoder.forward) or a device tensor [B] (a static step);
+    contiguous: slots is one increasing run of slot ids (SDPA then reads a view of the cache);
+    read_len: every visible key is at a cache position < read_len;
+    write_pos: [B, T] long, the cache position of query (b, i)'s own token; None: every query sees all
+      of [0, read_len) (one new token per row, every row ending at read_len);
+    valid: [B, T] bool, False for padded queries (None: none padded);
+    mask: the caller's [B, T, >= read_len] bool visibility (True = visible), or
+    spans: the caller's [B, T, S, 2] int half-open key spans per query; with neither, query (b, i)
+      sees [0, write_pos[b, i] + 1) (causal over the row's cache)."""
+
+    slots: Union[Sequence[int], torch.Tensor]
+    contiguous: bool
+    read_len: int
+    write_pos: Optional[torch.Tensor]
+    valid: Optional[torch.Tensor]
+    mask: Optional[torch.Tensor]
+    spans: Optional[torch.Tensor]
+    device: torch.device
+
+    def slot_tensor(self) -> torch.Tensor:
+        """[B] long on the device."""
+        if isinstance(self.slots, torch.Tensor):
+            return self.slots
+        return torch.tensor(list(self.slots), device=self.device)
+
 
 class AttentionBackend(ABC):
     @abstractmethod
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+    def prepare(self, layout: KeyLayout):
+        """What every layer of this forward reads (built once, on the device)."""
+
+    @abstractmethod
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, prepared,
                  scale: float) -> torch.Tensor:
-        """q [B, Hq, T, D]; k, v [B, Hkv, L, D]; mask [B, 1, T, L] bool (True = visible) or None
-        (every query sees every key). Returns [B, Hq, T, D]."""
+        """q [B, Hq, T, D]; k_cache, v_cache [S, Hkv, Lmax, D]: one layer's whole cache, this forward's
+        keys already written; prepared: `prepare`'s result. Returns [B, Hq, T, D]."""
+
+
+@dataclass(frozen=True)
+class MaskedRead:
+    """SDPA's plan: the rows' caches cut to read_len (slots lo..hi as a view, or gathered by index)."""
+
+    mask: Optional[torch.Tensor]  # [B, 1, T, L] bool, None: every query sees every key
+    lo: int
+    hi: int
+    index: Optional[torch.Tensor]  # [B] slot ids to gather, None: contiguous
+    read_len: int
+
+    def read(self, cache: torch.Tensor) -> torch.Tensor:  # [B, Hkv, L, D]
+        if self.index is None:
+            return cache[self.lo:self.hi, :, :self.read_len]
+        return cache[:, :, :self.read_len].index_select(0, self.index)
+
+
+def _visible_mask(layout: KeyLayout) -> Optional[torch.Tensor]:
+    """[B, 1, T, L] bool for SDPA; padded queries see key 0 only."""
+    if layout.write_pos is None:
+        return None
+    keys = torch.arange(layout.read_len, device=layout.device)
+    valid = layout.valid
+    if layout.mask is None and layout.spans is None:
+        last = layout.write_pos if valid is None else layout.write_pos * valid
+        return (keys[None, None, :] <= last[:, :, None])[:, None]
+    if layout.mask is not None:
+        mask = layout.mask[:, :, :layout.read_len]
+    else:  # the union of the spans: [B, T, S, L] -> [B, T, L]
+        lo, hi = layout.spans[..., 0, None], layout.spans[..., 1, None]
+        mask = ((keys >= lo) & (keys < hi)).any(dim=2)
+    if valid is not None:
+        mask = mask & valid[:, :, None]
+        mask[:, :, 0] |= ~valid  # padded queries see key 0 so softmax stays finite
+    return mask[:, None]
 
 
 class SDPABackend(AttentionBackend):
-    def __call__(self, q, k, v, mask, scale):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+    def prepare(self, layout: KeyLayout) -> MaskedRead:
+        mask = _visible_mask(layout)
+        if layout.contiguous:
+            lo = layout.slots[0]
+            return MaskedRead(mask, lo, lo + len(layout.slots), None, layout.read_len)
+        return MaskedRead(mask, 0, 0, layout.slot_tensor(), layout.read_len)
+
+    def __call__(self, q, k_cache, v_cache, prepared: MaskedRead, scale):
+        k, v = prepared.read(k_cache), prepared.read(v_cache)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=prepared.mask, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
 
 
-def default_backend(device: torch.device) -> AttentionBackend:
-    """SDPA everywhere (the only backend); on CUDA PyTorch's SDPA dispatches to its fused kernels."""
-    return SDPABackend()
+@dataclass(frozen=True)
+class SpanRead:
+    """The Triton backend's plan: per query (B x T of them, row-major) its slot and key spans."""
+
+    slot: torch.Tensor   # [B * T] int32
+    spans: torch.Tensor  # [B * T, S, 2] int32
+
+
+def _query_spans(layout: KeyLayout, t: int) -> torch.Tensor:
+    """[B, T, S, 2] long key spans per query; padded queries see [0, 1)."""
+    b, dev = len(layout.slots), layout.device
+    if layout.write_pos is None:  # every query sees every key
+        return torch.tensor([0, layout.read_len], device=dev).expand(b, t, 1, 2)
+    valid = layout.valid
+    if layout.spans is None:
+        last = layout.write_pos if valid is None else layout.write_pos * valid
+        return torch.stack([torch.zeros_like(last), last + 1], dim=-1)[:, :, None, :]
+    spans = layout.spans.long()
+    if valid is None:
+        return spans
+    pad = torch.zeros(spans.shape[2:], dtype=torch.long, device=dev)
+    pad[0, 1] = 1
+    return torch.where(valid[:, :, None, None], spans, pad)
+
+
+class TritonBackend(AttentionBackend):
+    """Span attention with the project's Triton kernel (see the module docstring)."""
+
+    max_causal_tokens = 16  # decode (1) and verify (K+1); longer causal rows are a prefill: SDPA
+
+    def __init__(self, block_n: int = 64):
+        from rollout_ssd.kernels.tree_attention import span_attention
+
+        self.kernel = span_attention
+        self.block_n = block_n
+        self.sdpa = SDPABackend()
+
+    def prepare(self, layout: KeyLayout) -> Union[SpanRead, MaskedRead]:
+        if layout.mask is not None:
+            raise ValueError("attention 'triton' reads key spans: pass spans instead of a dense mask "
+                             "(or use attention 'sdpa')")
+        t = 1 if layout.write_pos is None else layout.write_pos.shape[1]
+        if layout.spans is None and t > self.max_causal_tokens:
+            return self.sdpa.prepare(layout)
+        spans = _query_spans(layout, t)
+        b = spans.shape[0]
+        slot = layout.slot_tensor()[:, None].expand(b, t).reshape(b * t).to(torch.int32)
+        return SpanRead(slot, spans.reshape(b * t, spans.shape[2], 2).to(torch.int32))
+
+    def __call__(self, q, k_cache, v_cache, prepared, scale):
+        if isinstance(prepared, MaskedRead):
+            return self.sdpa(q, k_cache, v_cache, prepared, scale)
+        b, hq, t, d = q.shape
+        rows = q.transpose(1, 2).reshape(b * t, hq, d)  # [B * T, Hq, D]
+        out = self.kernel(rows, k_cache, v_cache, prepared.slot, prepared.spans, scale, self.block_n)
+        return out.view(b, t, hq, d).transpose(1, 2)
+
+
+def triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def select_backend(name: str, device: torch.device | str) -> AttentionBackend:
+    """The backend `name` ("auto" | "sdpa" | "triton", EngineConfig.attention) for a model on `device`.
+    auto: triton on a CUDA device when triton is installed, else sdpa. triton: a CUDA device, or a CPU
+    under Triton's interpreter; a ValueError naming the setting otherwise."""
+    device = torch.device(device)
+    if name not in ATTENTION:
+        raise ValueError(f"EngineConfig.attention must be one of {ATTENTION}, got {name!r}")
+    has_triton = importlib.util.find_spec("triton") is not None
+    if name == "sdpa" or (name == "auto" and not (device.type == "cuda" and has_triton)):
+        return SDPABackend()
+    if not has_triton:
+        raise ValueError("EngineConfig.attention='triton' needs triton installed (pip install triton)")
+    if device.type == "cpu" and not triton_interpreted():
+        raise ValueError("EngineConfig.attention='triton' on a CPU runs only under Triton's interpreter "
+                         "(TRITON_INTERPRET=1 set before triton is first imported: for tests); use 'sdpa' or 'auto'")
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"EngineConfig.attention='triton' needs a CUDA device (or a CPU under the interpreter), "
+                         f"got {device}")
+    return TritonBackend()

@@ -11,8 +11,11 @@ is cpu_backend.py's choice, behind `layer_weight`, `linear` and `head_matmul`: t
 logits only at rounding level.
 
 A forward takes new tokens per row (padded to T), their explicit positions, the KV slot each row
-writes to and, optionally, a boolean mask over cache positions: that covers ragged prefill, decode,
-multi-token verification and tree drafting with one code path.
+writes to and, optionally, what each query sees (a boolean mask over cache positions, or key spans):
+that covers ragged prefill, decode, multi-token verification and tree drafting with one code path.
+How attention reads the keys is the backend's (models/attention.py): the forward writes the new K/V
+and describes the layout once (`KeyLayout`); SDPA builds a dense mask from it, the Triton backend
+per-query key spans.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout_ssd.kv_cache import KVCache
-from rollout_ssd.models.attention import AttentionBackend, SDPABackend
+from rollout_ssd.models.attention import AttentionBackend, KeyLayout, SDPABackend
 from rollout_ssd.models.config import ModelConfig
 from rollout_ssd.models.cpu_backend import WeightCopies, head_matmul, layer_weight, linear
 
@@ -37,7 +40,9 @@ class ForwardBatch:
     tokens, positions: [B, T] int64 (rows padded to T); num_new: [B] valid new tokens per row;
     slots: B slot ids; starts: B cache lengths before the forward (new tokens are written at
     starts[b] + t); mask: optional [B, T, L] bool over cache positions 0..L-1 (True = visible),
-    L = max(starts[b] + num_new[b]); None means causal over the row's cache.
+    L = max(starts[b] + num_new[b]); spans: optional [B, T, S, 2] int, the same as half-open key spans
+    per query (ordered, disjoint; empty ones allowed), which the Triton backend reads without a mask.
+    Neither means causal over the row's cache.
     """
 
     tokens: torch.Tensor
@@ -46,17 +51,20 @@ class ForwardBatch:
     slots: list[int]
     starts: list[int]
     mask: Optional[torch.Tensor] = None
+    spans: Optional[torch.Tensor] = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm: normalise in float32, cast back to x's dtype, times the weight (the one place the
+    form is chosen). The float32 normalisation is torch's `F.rms_norm` without a weight: one call in
+    place of five ops (on CUDA torch's fused kernel), bitwise the written-out ops on a CPU
+    (tests/test_fused_ops.py); on a GPU its reduction order may differ from `mean`'s in the last float32
+    bit, which bench/gpu_check.py's `fused` part counts. The weight multiply stays after the cast, HF's
+    rounding order: `F.rms_norm` given a 16-bit weight multiplies before casting, one rounding where HF
+    has two, which is not HF's bits. In float32 the cast is a no-op, so the weight goes inside."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        # torch's rms_norm runs the float32 ops below in C++, bitwise equal (bench/bench_ar.py checks),
-        # without six Python-level dispatches
         return F.rms_norm(x, weight.shape, weight, eps)
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -213,34 +221,29 @@ class Decoder(nn.Module):
         order = sorted(range(b), key=batch.slots.__getitem__)
         if order != list(range(b)):
             rows = torch.tensor(order, device=dev)
+            pick = lambda x: None if x is None else x[rows]  # noqa: E731
             sorted_batch = ForwardBatch(
-                batch.tokens[rows], batch.positions[rows], [batch.num_new[i] for i in order],
-                [batch.slots[i] for i in order], [batch.starts[i] for i in order],
-                None if batch.mask is None else batch.mask[rows])
+                pick(batch.tokens), pick(batch.positions), [batch.num_new[i] for i in order],
+                [batch.slots[i] for i in order], [batch.starts[i] for i in order], pick(batch.mask), pick(batch.spans))
             return self.forward(sorted_batch, cache)[torch.argsort(rows)]
-        read_len = max(ends)
         slots, starts = batch.slots, batch.starts
         contiguous = slots == list(range(slots[0], slots[0] + b))
         # one contiguous block of new entries: every row writes t tokens at the same position
         block_write = contiguous and len(set(starts)) == 1 and all(n == t for n in batch.num_new)
-        mask = None
-        if not (t == 1 and len(set(ends)) == 1 and batch.mask is None):  # else every query sees every key
-            # write indices and mask: padded query rows go to the scratch slot and see key 0 only
+        # one token per row, every row ending at one length, nothing given: every query sees every key
+        every_key = t == 1 and len(set(ends)) == 1 and batch.mask is None and batch.spans is None
+        write_pos = valid = None
+        if not every_key:  # write indices: padded query rows go to the scratch slot
             ar = torch.arange(t, device=dev)
             valid = ar[None, :] < torch.tensor(batch.num_new, device=dev)[:, None]  # [B, T]
             write_slot = torch.where(valid, torch.tensor(slots, device=dev)[:, None], cache.scratch_slot)
             write_pos = torch.where(valid, torch.tensor(starts, device=dev)[:, None] + ar[None, :], ar[None, :])
-            if batch.mask is None:
-                keys = torch.arange(read_len, device=dev)
-                mask = keys[None, None, :] <= (write_pos[:, :, None] * valid[:, :, None])
-            else:
-                mask = batch.mask[:, :, :read_len] & valid[:, :, None]
-                mask[:, :, 0] |= ~valid  # padded queries see key 0 so softmax stays finite
-            mask = mask[:, None]  # [B, 1, T, L]
         elif not block_write:
             write_slot = torch.tensor(slots, device=dev)[:, None]
             write_pos = torch.tensor(starts, device=dev)[:, None]
-        slot_index = None if contiguous else torch.tensor(slots, device=dev)
+        layout = KeyLayout(slots, contiguous, max(ends), None if every_key else write_pos, valid, batch.mask,
+                           batch.spans, dev)
+        keys = self.backend.prepare(layout)
         lo, hi, start = slots[0], slots[0] + b, starts[0]
 
         def write(kc: torch.Tensor, k: torch.Tensor) -> None:  # k [B, T, Hkv, D]
@@ -248,11 +251,6 @@ class Decoder(nn.Module):
                 kc[lo:hi, :, start:start + t] = k.transpose(1, 2)
             else:
                 kc[write_slot, :, write_pos] = k
-
-        def read(kc: torch.Tensor) -> torch.Tensor:  # [B, Hkv, L, D]
-            if contiguous:
-                return kc[lo:hi, :, :read_len]
-            return kc[:, :, :read_len].index_select(0, slot_index)
 
         x = F.embedding(batch.tokens, self.embed)
         cos, signed_sin = self.rope_tables(batch.positions)
@@ -262,7 +260,7 @@ class Decoder(nn.Module):
             def attend(q, k, v, kc=kc, vc=vc):
                 write(kc, k)
                 write(vc, v)
-                return self.backend(q, read(kc), read(vc), mask, self.scale)
+                return self.backend(q, kc, vc, keys, self.scale)
 
             x = layer(x, cos, signed_sin, attend)
         for slot, end in zip(slots, ends):

@@ -14,8 +14,11 @@ chain s_1..s_K under verification:
      ends at cache position G, and step i's tokens are appended as one block of N (branch count) at
      G + i·N, branch r at G + i·N + r. Branch r of depth j sees cache positions [0, n + j) (the committed
      context and s_1..s_j) plus its own earlier tokens {G + i'·N + r : i' <= i}; its RoPE positions are
-     n + j + i, as if the branch were the sequence. (The step-major layout is what `ModelRunner.extend`
-     appends; kernels/reference.py's packed layout is branch-major, so we build the mask here.)
+     n + j + i, as if the branch were the sequence. What a query sees goes to the attention backend
+     as key spans, [0, n + j) and one span per own token (`tree_spans`), not as a mask: the Triton
+     backend reads them directly, SDPA turns them into its mask. (The step-major layout is what
+     `ModelRunner.extend` appends, so own tokens are N apart; kernels/reference.py's packed layout is
+     branch-major.)
   Afterwards the slot is cut back to G: the branch region is scratch.
 
 Sampling: every chain token (tree or on demand) at absolute index i is drawn from q = the row's
@@ -236,15 +239,9 @@ class TreeDrafter:
         at_row, at_branch = flat_rows[:, 0].to(dev), flat_rows[:, 1].to(dev)
         feed = [[t for _, t in branches[b]] for b in live]
         for step in range(K):
-            length = ends + step * counts[:, None]  # [R, 1] slot length before this step
-            L = int((length[:, 0] + counts).max())
-            keys = torch.arange(L)[None, None, :]
-            mask = keys < visible[:, :, None]  # [R, Nmax, L]
-            for s in range(step + 1):
-                own = (ends + s * counts[:, None] + col).clamp(max=L - 1)  # [R, Nmax]
-                mask |= keys == own[:, :, None]
+            spans = tree_spans(visible, ends, counts, step, K)
             positions = visible + step  # [R, Nmax]
-            logits = self.runner.extend([st.slot for st in sub], feed, positions=positions, mask=mask)
+            logits = self.runner.extend([st.slot for st in sub], feed, positions=positions, spans=spans)
             drawn, qs = self.sample(flat_seq, logits[at_row, at_branch], flat_ctx + step + 1, _at(fanout, step))
             tokens[at_row, at_branch, step] = drawn
             q[at_row, at_branch, step] = qs
@@ -273,6 +270,23 @@ def top_candidates(rows: torch.Tensor, width: int) -> list[list[int]]:
         idx = (row >= c).nonzero().squeeze(1)  # ascending index: the stable sort keeps ties in this order
         out.append(idx[torch.sort(row[idx], descending=True, stable=True).indices][:width].tolist())
     return out
+
+
+def tree_spans(visible: torch.Tensor, ends: torch.Tensor, counts: torch.Tensor, step: int, k: int) -> torch.Tensor:
+    """Key spans of tree step `step` (0-based): [R, Nmax, k + 1, 2] int64, half-open. Branch c of row r
+    sees [0, visible[r, c]) (its context and glue prefix) and its own tokens so far, one span each at
+    ends[r] + s * counts[r] + c for s <= step (the step-major layout); the remaining k - 1 - step spans
+    are empty. visible [R, Nmax]; ends [R, 1] (the slot length after the glue); counts [R] (branches N_r).
+    Columns c >= counts[r] are padding (the forward gives them key 0 only)."""
+    r, n_max = visible.shape
+    spans = torch.zeros(r, n_max, k + 1, 2, dtype=torch.long)
+    spans[:, :, 0, 1] = visible
+    col = torch.arange(n_max)[None, :]
+    for s in range(step + 1):
+        own = ends + s * counts[:, None] + col  # [R, Nmax]
+        spans[:, :, 1 + s, 0] = own
+        spans[:, :, 1 + s, 1] = own + 1
+    return spans
 
 
 def _at(fanout: Sequence[int], i: int) -> int:

@@ -1,12 +1,16 @@
-"""Triton tree attention for SSD branch decoding (layout and semantics: see reference.py).
+"""Triton span attention: each query attends to a few half-open intervals of its KV slot.
 
-A GPU kernel not yet wired into the engine (rollout_ssd's attention is PyTorch SDPA on every device,
-models/attention.py); the tests run it under Triton's CPU interpreter, against the fp64 reference.
+Two entry points over one kernel. `span_attention` takes the per-query spans directly, as device
+tensors, with no host read: models/attention.py's "triton" backend calls it for decode (one span
+[0, start + 1)), verify (query i of a row sees [0, start + i + 1)) and SSD's tree steps (the prefix
+and each of the branch's own tokens). `tree_attention_triton` takes a `TreeAttentionMetadata`
+(reference.py: prefix, glue up to the fork depth, own branch), validated on the host. The tests run
+the kernel under Triton's CPU interpreter against a float64 reference.
 
 One program per (query, kv head) computes the g = Hq / Hkv query heads that share the kv head as the
 rows of one tile, so each key block is loaded once per GQA group. It walks only the keys the query
-sees: its three spans (prefix, glue up to the fork depth, its own branch), in blocks of BLOCK_N, with
-the online softmax of flash attention (running max m, running sum l, rescaled accumulator):
+sees: its NUM_SPANS spans (empty ones cost nothing), in blocks of BLOCK_N, with the online softmax of
+flash attention (running max m, running sum l, rescaled accumulator):
 
     m' = max(m, max_j s_j);  l' = l * 2^(m - m') + sum_j 2^(s_j - m');  acc' = acc * 2^(m - m') + P V
 
@@ -14,7 +18,8 @@ Both products run in the cache dtype with fp32 sums (IEEE for fp32 inputs, never
 kept in log2 units (scale * log2 e folded into one multiply) and P is rounded to the cache dtype for
 P V, as in flash attention. Masked blocks are never loaded: the kernel walks only the spans, so only
 a span's last block is partial. A query's result depends only on its own keys, not on the batch
-around it or on Nq.
+around it or on Nq. The grid is fixed by (Nq, Hkv) and the spans are read from device memory, so a
+launch with the same shapes can be captured in a CUDA graph and replayed with new spans.
 
 Interpreter (CPU): run with TRITON_INTERPRET=1 set before triton is first imported in the process.
 Triton reads the variable when a function is wrapped by `triton.jit`, not at launch, and triton.language
@@ -49,7 +54,7 @@ def _tree_attention_fwd(
     stride_on, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    NUM_SPANS: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     query = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -71,9 +76,9 @@ def _tree_attention_fwd(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
 
-    for span in tl.static_range(3):
-        lo = tl.load(Spans + query * 6 + 2 * span)
-        hi = tl.load(Spans + query * 6 + 2 * span + 1)
+    for span in tl.static_range(NUM_SPANS):
+        lo = tl.load(Spans + query * (2 * NUM_SPANS) + 2 * span)
+        hi = tl.load(Spans + query * (2 * NUM_SPANS) + 2 * span + 1)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             mask_n = offs_n < hi
@@ -116,6 +121,16 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     reference.py (anything with `.slot` [Nq], `.key_spans()` [Nq, 3, 2], `.num_slots`, `.max_key_end`)
     on q's device; sm_scale defaults to 1/sqrt(D); block_n keys per block (a power of 2, >= 16).
     """
+    _check_shapes(q, k_cache, v_cache)
+    if q.device != meta.slot.device:
+        raise ValueError("meta: q, caches and metadata must be on one device")
+    if meta.num_queries != q.shape[0] or meta.num_slots > k_cache.shape[0] or meta.max_key_end > k_cache.shape[2]:
+        raise ValueError(f"meta: {meta.num_queries} queries over {meta.num_slots} slots x "
+                         f"{meta.max_key_end} keys; q has {q.shape[0]}, cache {k_cache.shape[0]} x {k_cache.shape[2]}")
+    return span_attention(q, k_cache, v_cache, meta.slot, meta.key_spans(), sm_scale, block_n)
+
+
+def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"q: expected [Nq, Hq, D] and caches [S, Hkv, Lmax, D], got "
                          f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
@@ -127,13 +142,30 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q: dtypes {q.dtype}, {k_cache.dtype}, {v_cache.dtype}; "
                          f"need one of float16, bfloat16, float32 for all three")
-    if not (q.device == k_cache.device == v_cache.device == meta.slot.device):
-        raise ValueError("meta: q, caches and metadata must be on one device")
-    if meta.num_queries != nq or meta.num_slots > num_slots or meta.max_key_end > max_len:
-        raise ValueError(f"meta: {meta.num_queries} queries over {meta.num_slots} slots x "
-                         f"{meta.max_key_end} keys; q has {nq}, cache {num_slots} x {max_len}")
+    if not (q.device == k_cache.device == v_cache.device):
+        raise ValueError("q: q and caches must be on one device")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache: the head dim of both caches must be contiguous")
+
+
+def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor,
+                   spans: torch.Tensor, sm_scale: float | None = None, block_n: int = 64) -> torch.Tensor:
+    """Query i attends to the keys of slot[i] in spans[i]: q [Nq, Hq, D] -> out [Nq, Hq, D] in q's dtype.
+
+    k_cache, v_cache [S, Hkv, Lmax, D] (head dim contiguous); slot [Nq] int; spans [Nq, NS, 2] int,
+    half-open (start, end) per span, ordered and disjoint, empty spans allowed (start == end), every
+    query with at least one key, every end <= Lmax. Shapes are checked, values are not (that would read
+    them back to the host): a span past the cache reads out of bounds. sm_scale defaults to 1/sqrt(D);
+    block_n keys per block (a power of 2, >= 16).
+    """
+    _check_shapes(q, k_cache, v_cache)
+    nq, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if slot.shape != (nq,) or spans.dim() != 3 or spans.shape[0] != nq or spans.shape[2] != 2:
+        raise ValueError(f"spans: expected slot [Nq] and spans [Nq, NS, 2] for Nq={nq}, got "
+                         f"{tuple(slot.shape)} and {tuple(spans.shape)}")
+    if slot.device != q.device or spans.device != q.device:
+        raise ValueError("spans: q, caches, slot and spans must be on one device")
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n: {block_n} is not a power of 2 >= 16")
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -149,8 +181,8 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     out = torch.empty(q.shape, dtype=torch.float32 if emulate_bf16 else q.dtype, device=q.device)
     if nq == 0:
         return out.to(q.dtype)
-    slot = meta.slot.to(torch.int32).contiguous()
-    spans = meta.key_spans().contiguous()                                  # [Nq, 3, 2] int32
+    slot = slot.to(torch.int32).contiguous()
+    spans = spans.to(torch.int32).contiguous()
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     group = hq // hkv
     _tree_attention_fwd[(nq, hkv)](
@@ -163,8 +195,9 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         GROUP=group, HEAD_DIM=d,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_N=block_n,
+        NUM_SPANS=spans.shape[1],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32: unused by 16-bit operands
         EMULATE_BF16=emulate_bf16,
         num_warps=4,
     )
-    return out.to(q.dtype)
+    return out if out.dtype == q.dtype else out.to(q.dtype)

@@ -22,8 +22,9 @@ Shapes: q [Nq, Hq, D] (one row per branch query, all sequences flattened); k_cac
 h reads kv head h // g); out [Nq, Hq, D] in q's dtype. Every query sees at least its current token.
 
 This file needs only torch; the Triton kernel lives in tree_attention.py and reads the same metadata.
-The engine does not call either yet (rollout_ssd/models/attention.py: its attention is PyTorch SDPA,
-and ssd/tree.py builds its own tree mask); they are the GPU kernel and its references, tested here.
+The engine's tree steps do not use this layout: ssd/tree.py appends branches step-major and hands the
+attention backend per-query key spans (models/attention.py), which the same kernel reads through
+`span_attention`; this metadata, its SDPA path and the float64 loop are the kernel's references.
 """
 
 import copy
