@@ -112,9 +112,10 @@ class EngineConfig:
     (correct, and slower than the default path: for tests).
     attention: the attention backend of the models the engine runs (models/attention.py): "sdpa"
     (PyTorch SDPA with a dense visibility mask), "triton" (the span-based Triton kernel for decode,
-    verify and SSD's tree steps; prefill stays on SDPA), or "auto" (triton on a CUDA device when triton
-    imports, else sdpa). "triton" on a CPU runs under Triton's interpreter only (TRITON_INTERPRET=1 set
-    before triton is first imported: for tests), and is a ValueError otherwise."""
+    verify and SSD's tree steps; prefill stays on SDPA; opt-in: it has not run on a GPU yet), or "auto"
+    (sdpa, until bench/gpu_check.py has measured the kernel on a GPU). "triton" on a CPU runs under
+    Triton's interpreter only (TRITON_INTERPRET=1 set before triton is first imported: for tests), and
+    is a ValueError otherwise."""
 
     max_batch_size: int = 32
     max_model_len: Optional[int] = None

@@ -49,7 +49,7 @@ ENGINES = [  # name, method, SpecConfig extras, cuda_graphs
 def test_select_backend_and_its_errors(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert isinstance(select_backend("sdpa", "cpu"), SDPABackend)
-    assert isinstance(select_backend("auto", "cpu"), SDPABackend)  # auto is triton on CUDA only
+    assert isinstance(select_backend("auto", "cpu"), SDPABackend)  # auto is sdpa until measured on a GPU
     assert isinstance(select_backend("auto", "meta"), SDPABackend)
     with pytest.raises(ValueError, match="EngineConfig.attention='triton' on a CPU runs only under Triton's interpreter"):
         select_backend("triton", "cpu")

@@ -193,13 +193,14 @@ def triton_interpreted() -> bool:
 
 def select_backend(name: str, device: torch.device | str) -> AttentionBackend:
     """The backend `name` ("auto" | "sdpa" | "triton", EngineConfig.attention) for a model on `device`.
-    auto: triton on a CUDA device when triton is installed, else sdpa. triton: a CUDA device, or a CPU
-    under Triton's interpreter; a ValueError naming the setting otherwise."""
+    auto: sdpa on every device, until the Triton kernel has been measured on a GPU (bench/gpu_check.py's
+    attention part; no GPU has run it yet): then auto should pick what that measurement says. triton: a
+    CUDA device, or a CPU under Triton's interpreter; a ValueError naming the setting otherwise."""
     device = torch.device(device)
     if name not in ATTENTION:
         raise ValueError(f"EngineConfig.attention must be one of {ATTENTION}, got {name!r}")
     has_triton = importlib.util.find_spec("triton") is not None
-    if name == "sdpa" or (name == "auto" and not (device.type == "cuda" and has_triton)):
+    if name in ("sdpa", "auto"):
         return SDPABackend()
     if not has_triton:
         raise ValueError("EngineConfig.attention='triton' needs triton installed (pip install triton)")
