@@ -449,6 +449,8 @@ def test_plain_verify_estimate_scaled_by_the_two_decode_times_until_measured():
     est.observe_time("decode", 0.012, 4)
     est.observe_time("decode", 0.012, 4)  # the median of the wide steps is back to 0.012
     assert est.inputs(4).plain_draft_seconds == pytest.approx(0.01 * 0.6)
+    est.observe_time("drafting", 0.005, 4)  # the draft side's own drafting time: a closer base than the wait
+    assert est.inputs(4).plain_draft_seconds == pytest.approx(0.005 * 0.6)
     est.observe_time("plain_draft", 0.004, 4)
     assert est.inputs(4).plain_draft_seconds == pytest.approx(0.004)
     assert est.inputs(4).draft_seconds["draft"] == pytest.approx(0.01)  # SSD's miss cost is not moved
@@ -629,3 +631,35 @@ def test_top_candidates_equal_a_full_stable_sort(n, vocab, width, seed, masked):
     width = min(width, vocab)
     want = torch.sort(rows, dim=-1, descending=True, stable=True).indices[:, :width].tolist()
     assert top_candidates(rows, width) == want
+
+
+def _decided_chooser(inputs):
+    """A Chooser past its early rounds whose estimates always say `inputs`."""
+    from rollout_ssd.metrics import EngineMetrics
+    from rollout_ssd.ssd.chooser import Chooser, Plan
+
+    config = SSDConfig(k=inputs.k, worker=False, strategy_rule=True)
+    chooser = Chooser(config, LiveEstimates(EstimatesConfig(k=inputs.k)), EngineMetrics(), backup=None)
+    chooser.estimates.inputs = lambda batch: dataclasses.replace(inputs, batch_size=batch)
+    for _ in range(config.decide_after):
+        chooser.count_round(Plan.SSD_DRAFT, cold=False)
+    return chooser
+
+
+@pytest.mark.parametrize("sd_draft_ms,probes", [(8.0, True), (30.0, False)])
+def test_chooser_probes_a_close_runner_up_now_and_then_and_keeps_its_choice(sd_draft_ms, probes):
+    """AR chosen; SD within PROBE_WITHIN of it gets one round in PROBE_EVERY (its estimate is refreshed
+    only by running it), a far-off SD never does; the choice at the batch size stays AR."""
+    from rollout_ssd.ssd.chooser import PROBE_EVERY, PROBE_WITHIN, Plan
+
+    inp = StrategyInputs(p_hit=0.1, tokens={"hit": 1.5, "draft": 1.5, "suffix": 1.0, "random": 1.0},
+                         draft_seconds={"draft": 0.03, "suffix": 0.0, "random": 0.0}, primary_seconds=0.05,
+                         verify_seconds=0.04, decode_seconds=0.03, batch_size=1, k=3,
+                         plain_draft_seconds=sd_draft_ms / 1000)
+    s = strategy_scores(inp)
+    assert max(s, key=s.get) == "ar" and (s["sd"] >= s["ar"] * (1 - PROBE_WITHIN)) == probes
+    chooser = _decided_chooser(inp)
+    plans = [chooser.choose(1) for _ in range(3 * PROBE_EVERY)]
+    expected = [Plan.SD if probes and (i + 1) % PROBE_EVERY == 0 else Plan.AR for i in range(3 * PROBE_EVERY)]
+    assert plans == expected and chooser.current is Plan.AR
+    assert [chooser.choose(4) for _ in range(PROBE_EVERY - 1)] == [Plan.AR] * (PROBE_EVERY - 1)  # its own count

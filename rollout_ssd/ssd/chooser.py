@@ -29,6 +29,8 @@ from rollout_ssd.ssd.rule import StrategyConfig, StrategyRule
 log = logging.getLogger(__name__)
 
 CALIBRATE_EVERY = 128  # speculating rounds between AR decode-time calibrations, after the warm-up ones
+PROBE_EVERY = 32  # decided rounds at a batch size between probes of the runner-up plan
+PROBE_WITHIN = 0.25  # ... probed when it scores within this fraction of the chosen plan
 FIRST_CALIBRATION_GAP = 16  # rounds after the warm-up calibrations (each costs one AR step of the batch)
 
 
@@ -100,6 +102,7 @@ class Chooser:
         self._choices: dict[int, Plan] = {}  # batch_bucket -> the plan last chosen at those batch sizes
         self._measured_rounds = 0  # speculating rounds timed so far (SSDConfig.decide_after)
         self._calibrations, self._rounds_since_calibration = 0, 0
+        self._since_probe: dict[int, int] = {}  # batch_bucket -> decided rounds since its last probe
 
     def choose(self, batch: int, fallback: Optional[Plan] = None) -> Plan:
         """The plan for a round of `batch` sequences; `fallback` (the draft side failed) overrides it."""
@@ -131,6 +134,7 @@ class Chooser:
         self.current = chosen
         if self.decided:
             self._choices[bucket] = chosen
+            chosen = self._probe(bucket, chosen, scores)
         # the rule's own inputs; a round that measures T_p / T_b directly overwrites them (telemetry)
         timing = {"T_p": inputs.primary_seconds / inputs.verify_seconds}
         if "draft" in inputs.draft_seconds:
@@ -139,6 +143,24 @@ class Chooser:
         self.stats.set_ssd_state(strategy=chosen.label, b_star=decision.b_star, predicted_speedup=predicted,
                                  scores=dict(scores), p_hit_estimate=inputs.p_hit, **timing)
         return chosen
+
+    def _probe(self, bucket: int, chosen: Plan, scores: dict[str, float]) -> Plan:
+        """Every PROBE_EVERY decided rounds at a batch size, one round of the best other plan when it
+        scores within PROBE_WITHIN of the chosen one: a plan that is not run is not measured, so its
+        estimate keeps what its few (often first, slowest) rounds said, and a close call would otherwise
+        stand on it for good. The probe's round refreshes that estimate; the choice at the batch size
+        stands (the hysteresis decides on the next rounds as always)."""
+        if self.rule.config.fixed is not None:
+            return chosen
+        self._since_probe[bucket] = self._since_probe.get(bucket, 0) + 1
+        if self._since_probe[bucket] < PROBE_EVERY:
+            return chosen
+        self._since_probe[bucket] = 0
+        others = [c for c in self.rule.config.candidates if c != chosen.label]
+        runner_up = max(others, key=lambda c: scores[c], default=None)
+        if runner_up is None or scores[runner_up] < scores[chosen.label] * (1 - PROBE_WITHIN):
+            return chosen
+        return Plan(runner_up)
 
     def count_round(self, plan: Plan, cold: bool) -> None:
         """A round ran: an AR round measured AR's step (as a calibration does); a speculating round that

@@ -165,8 +165,10 @@ class LiveEstimates:
     # "plain_draft" (SD's drafting, on a CPU in the target's process) are the verify and draft-model
     # times scaled by decode / "decode_narrow" (an AR step on the target's own core, the worker holding
     # the other; ssd/cores.py) until measured; without a split the two decode times agree
-    PLAIN = {"plain_verify": "verify", "plain_draft": "draft"}
-    UNPRIORED = (*PLAIN, "decode_narrow")
+    PLAIN = {"plain_verify": "verify", "plain_draft": "drafting"}
+    # "drafting": the draft side's own time drafting K tokens on demand (without the target's wait for
+    # a cache build to finish, nor the transfer): what SD's drafting costs where it runs in process
+    UNPRIORED = (*PLAIN, "decode_narrow", "drafting")
 
     def __init__(self, config: EstimatesConfig):
         self.config = config
@@ -208,7 +210,7 @@ class LiveEstimates:
         "overhead" (T_o), "decode" (one AR step), or a speculator name (the target's wait for K tokens
         drafted with it: T_SD for "draft", T_b for backups), "plain_verify" (the verify of a plain
         speculation round), "plain_draft" (SD's drafting), "decode_narrow" (an AR step on the target's own
-        core beside the worker)."""
+        core beside the worker), "drafting" (the draft side's own time for an on-demand chain)."""
         if name not in self._times:
             raise ValueError(f"unknown time {name!r}; known: {self.TIMES + self.UNPRIORED}")
         if not seconds >= 0:
@@ -244,7 +246,10 @@ class LiveEstimates:
         t = self._times[name].value(batch)
         if t is not None:
             return t
-        base = self.seconds(self.PLAIN[name], batch)
+        source = self.PLAIN[name]
+        if source == "drafting" and self._times["drafting"].value(batch) is None:
+            source = "draft"  # not yet measured: the target's wait for drafted chains, an upper bound
+        base = self._times[source].value(batch) if source == "drafting" else self.seconds(source, batch)
         wide, narrow = self._times["decode"].value(batch), self._times["decode_narrow"].value(batch)
         return base * min(1.0, wide / narrow) if wide is not None and narrow else base
 

@@ -101,6 +101,8 @@ class RoundTelemetry:
                 state["T_p"] = reply.build_seconds / self._prev_verify
             if any(p == "draft" for p in rnd.paths):
                 timed("draft" if plan.is_ssd else "plain_draft", rnd.wait_seconds, b)
+                if plan.is_ssd and reply.backup_seconds > 0:  # the worker's own drafting: SD's prior
+                    timed("drafting", reply.backup_seconds, b)
                 state["T_b"] = rnd.wait_seconds / verify_seconds
             elif asked and all(rnd.paths[i] == "hit" for i in asked):
                 excess = max(0.0, reply.build_seconds - (self._prev_verify or 0.0))  # counted in T_p

@@ -1,0 +1,89 @@
+"""Fresh engines, first call: AR, SD and SSD as a new user (or a new RL run) gets them (issue 15, part 4).
+
+Each workload runs once per method on an engine made for it (`RolloutEngine.from_pretrained`, engine
+defaults, dtype auto, the default draft, SSD with its strategy rule): the first `sample` call is what is
+timed, end to end (prefill, the rule's first rounds and calibrations included). The methods take turns
+workload by workload, `--repeats` times over, so machine noise hits them alike. Workloads:
+  - demo: the main job's 4 chat prompts, greedy, 96 new tokens, EOS on (`make run`);
+  - batch1: 4 chat prompts of the held-out templates, one `sample` call each, greedy, 96 tokens;
+  - grpo: 6 prompts x n=4, T=1, EOS on, up to 160 new tokens (a GRPO step's rollouts).
+Table (tok/s per method, SSD against the better of AR and SD, SSD's rounds by strategy), JSON last line.
+
+    .venv/bin/python bench/fresh_engines.py
+    .venv/bin/python bench/fresh_engines.py --workloads demo --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from common import add_repo_to_path, bench_prompts, machine_note, print_json_line, print_table
+
+add_repo_to_path()
+
+from rollout_ssd import RolloutEngine, SamplingParams, SpecConfig  # noqa: E402
+from rollout_ssd import metric_names as names  # noqa: E402
+from rollout_ssd.cli import DEMO_PROMPTS  # noqa: E402
+from rollout_ssd.models.cpu_backend import cpu_kind, describe_auto_dtype  # noqa: E402
+
+WORKLOADS = ("demo", "batch1", "grpo")
+
+
+def workload(name: str, tokenizer):
+    """(list of prompt batches, one sample() call each; SamplingParams)."""
+    if name == "demo":
+        return [DEMO_PROMPTS], SamplingParams(temperature=0.0, max_new_tokens=96, seed=0, chat=True)
+    if name == "batch1":
+        prompts = bench_prompts(tokenizer, "templates", 4)
+        return [[p] for p in prompts], SamplingParams(temperature=0.0, max_new_tokens=96, seed=0)
+    if name == "grpo":
+        prompts = bench_prompts(tokenizer, "templates", 6)
+        return [prompts], SamplingParams(n=4, temperature=1.0, max_new_tokens=160, seed=0)
+    raise ValueError(f"unknown workload {name!r}; known: {WORKLOADS}")
+
+
+def run(method: str, name: str) -> dict:
+    spec = SpecConfig(method=method, k=4)
+    engine = RolloutEngine.from_pretrained(draft=None if method == "ar" else "default", spec=spec)
+    with engine:
+        batches, params = workload(name, engine.target.tokenizer)
+        t0 = time.perf_counter()
+        tokens = sum(len(r.token_ids) for batch in batches for r in engine.sample(batch, params))
+        seconds = time.perf_counter() - t0
+        m = engine.metrics()
+    return {"tokens": tokens, "seconds": seconds, "accept": m.get(names.SPEC_ACCEPT_RATE),
+            "rounds": m.get(names.SSD_STRATEGY_ROUNDS)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args(argv)
+    names_ = [w for w in args.workloads.split(",") if w]
+    totals = {(w, m): {"tokens": 0, "seconds": 0.0, "rounds": {}} for w in names_ for m in ("ar", "sd", "ssd")}
+    for _ in range(args.repeats):
+        for w in names_:
+            for method in ("ar", "sd", "ssd"):
+                out = run(method, w)
+                t = totals[(w, method)]
+                t["tokens"] += out["tokens"]
+                t["seconds"] += out["seconds"]
+                t["accept"] = out["accept"]
+                for k, v in (out["rounds"] or {}).items():
+                    t["rounds"][k] = t["rounds"].get(k, 0) + v
+    rows = []
+    for w in names_:
+        rate = {m: totals[(w, m)]["tokens"] / totals[(w, m)]["seconds"] for m in ("ar", "sd", "ssd")}
+        rows.append({"workload": w, "AR tok/s": rate["ar"], "SD tok/s": rate["sd"], "SSD tok/s": rate["ssd"],
+                     "SSD / best(AR, SD)": rate["ssd"] / max(rate["ar"], rate["sd"]), "SSD / AR": rate["ssd"] / rate["ar"],
+                     "SD accept": totals[(w, "sd")].get("accept"),
+                     "SSD rounds by strategy": ", ".join(f"{k} {v}" for k, v in totals[(w, "ssd")]["rounds"].items())})
+    print(f"CPU {cpu_kind()}; dtype auto: {describe_auto_dtype()}; first call of a fresh engine, {args.repeats} runs each")
+    print_table(rows)
+    print_json_line({"bench": "fresh_engines", "machine": machine_note(), "args": vars(args), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
