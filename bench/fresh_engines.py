@@ -7,7 +7,8 @@ workload by workload, `--repeats` times over, so machine noise hits them alike. 
   - demo: the main job's 4 chat prompts, greedy, 96 new tokens, EOS on (`make run`);
   - batch1: 4 chat prompts of the held-out templates, one `sample` call each, greedy, 96 tokens;
   - grpo: 6 prompts x n=4, T=1, EOS on, up to 160 new tokens (a GRPO step's rollouts).
-Table (tok/s per method, SSD against the better of AR and SD, SSD's rounds by strategy), JSON last line.
+Table (tok/s per method, SSD against the better of AR and SD, SSD's rounds and their seconds by strategy
+per run, next to the whole call's seconds), JSON last line.
 
     .venv/bin/python bench/fresh_engines.py
     .venv/bin/python bench/fresh_engines.py --workloads demo --repeats 1
@@ -48,12 +49,18 @@ def run(method: str, name: str) -> dict:
     engine = RolloutEngine.from_pretrained(draft=None if method == "ar" else "default", spec=spec)
     with engine:
         batches, params = workload(name, engine.target.tokenizer)
+        trace = None
+        if method == "ssd":
+            engine.strategy.trace = trace = []
         t0 = time.perf_counter()
         tokens = sum(len(r.token_ids) for batch in batches for r in engine.sample(batch, params))
         seconds = time.perf_counter() - t0
         m = engine.metrics()
+    by_plan: dict[str, float] = {}
+    for r in trace or []:
+        by_plan[r["strategy"]] = by_plan.get(r["strategy"], 0.0) + r["seconds"]
     return {"tokens": tokens, "seconds": seconds, "accept": m.get(names.SPEC_ACCEPT_RATE),
-            "rounds": m.get(names.SSD_STRATEGY_ROUNDS)}
+            "rounds": m.get(names.SSD_STRATEGY_ROUNDS), "plan_seconds": by_plan}
 
 
 def main(argv=None):
@@ -62,7 +69,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args(argv)
     names_ = [w for w in args.workloads.split(",") if w]
-    totals = {(w, m): {"tokens": 0, "seconds": 0.0, "rounds": {}} for w in names_ for m in ("ar", "sd", "ssd")}
+    totals = {(w, m): {"tokens": 0, "seconds": 0.0, "rounds": {}, "plan_seconds": {}}
+              for w in names_ for m in ("ar", "sd", "ssd")}
     for _ in range(args.repeats):
         for w in names_:
             for method in ("ar", "sd", "ssd"):
@@ -71,15 +79,19 @@ def main(argv=None):
                 t["tokens"] += out["tokens"]
                 t["seconds"] += out["seconds"]
                 t["accept"] = out["accept"]
-                for k, v in (out["rounds"] or {}).items():
-                    t["rounds"][k] = t["rounds"].get(k, 0) + v
+                for key in ("rounds", "plan_seconds"):
+                    for k, v in (out[key] or {}).items():
+                        t[key][k] = t[key].get(k, 0) + v
     rows = []
     for w in names_:
         rate = {m: totals[(w, m)]["tokens"] / totals[(w, m)]["seconds"] for m in ("ar", "sd", "ssd")}
         rows.append({"workload": w, "AR tok/s": rate["ar"], "SD tok/s": rate["sd"], "SSD tok/s": rate["ssd"],
                      "SSD / best(AR, SD)": rate["ssd"] / max(rate["ar"], rate["sd"]), "SSD / AR": rate["ssd"] / rate["ar"],
                      "SD accept": totals[(w, "sd")].get("accept"),
-                     "SSD rounds by strategy": ", ".join(f"{k} {v}" for k, v in totals[(w, "ssd")]["rounds"].items())})
+                     "SSD rounds by strategy": ", ".join(f"{k} {v}" for k, v in totals[(w, "ssd")]["rounds"].items()),
+                     "SSD seconds by strategy": ", ".join(f"{k} {v / args.repeats:.2f}"
+                                                          for k, v in totals[(w, "ssd")]["plan_seconds"].items()),
+                     "SSD call s": totals[(w, "ssd")]["seconds"] / args.repeats})
     print(f"CPU {cpu_kind()}; dtype auto: {describe_auto_dtype()}; first call of a fresh engine, {args.repeats} runs each")
     print_table(rows)
     print_json_line({"bench": "fresh_engines", "machine": machine_note(), "args": vars(args), "rows": rows})

@@ -663,3 +663,20 @@ def test_chooser_probes_a_close_runner_up_now_and_then_and_keeps_its_choice(sd_d
     expected = [Plan.SD if probes and (i + 1) % PROBE_EVERY == 0 else Plan.AR for i in range(3 * PROBE_EVERY)]
     assert plans == expected and chooser.current is Plan.AR
     assert [chooser.choose(4) for _ in range(PROBE_EVERY - 1)] == [Plan.AR] * (PROBE_EVERY - 1)  # its own count
+
+
+def test_budget_capped_until_the_rule_has_chosen_at_a_batch_size():
+    """Before the rule chooses at a batch size, a cache spans EXPLORE_TREE_ROWS branches over the batch
+    (a full tree over a large batch costs the fresh engine's first call several verifies); after, none."""
+    from rollout_ssd.ssd.chooser import EXPLORE_TREE_ROWS
+
+    inp = StrategyInputs(p_hit=0.5, tokens={"hit": 2.0, "draft": 2.0, "suffix": 1.0, "random": 1.0},
+                         draft_seconds={"draft": 0.01, "suffix": 0.0, "random": 0.0}, primary_seconds=0.02,
+                         verify_seconds=0.04, decode_seconds=0.05, batch_size=1, k=3)
+    chooser = _decided_chooser(inp)
+    assert chooser.budget_cap(24) == max(1, EXPLORE_TREE_ROWS // 24) and chooser.budget_cap(1) == EXPLORE_TREE_ROWS
+    chooser.choose(24)
+    assert chooser.budget_cap(24) is None and chooser.budget_cap(20) is None  # one bucket: 16-31
+    assert chooser.budget_cap(4) == EXPLORE_TREE_ROWS // 4
+    planner = FanoutPlanner(FanoutConfig(k=3, initial_budget=8))
+    assert planner.plan().budget == 8 and planner.plan(cap=2).budget == 2 and planner.plan(cap=0).budget == 1

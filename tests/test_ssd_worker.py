@@ -14,6 +14,7 @@ import signal
 import pytest
 
 from rollout_ssd import SamplingParams
+from rollout_ssd.ssd.draft_server import weights_digest
 from tests.support.models import tiny_pair
 from tests.test_ssd_helpers import ar_engine, ssd_engine
 
@@ -175,25 +176,31 @@ def test_target_takes_the_workers_core_in_rounds_that_leave_it_idle(pair, ar_out
     seen, verify = [], ssd._verify
     ssd._verify = lambda running, rnd, plan: (seen.append((plan, os.sched_getaffinity(0), torch.get_num_threads())),
                                                verify(running, rnd, plan))[1]
-    asked, side_of = [], ssd._side
+    asked, share = [], ssd._share
 
-    def recording_side(plan):
-        side, cores = side_of(plan)
-        asked.append((plan, side))
-        return side, cores
+    def recording_share(plan):
+        in_process, cores = share(plan)
+        asked.append((plan, in_process))
+        return in_process, cores
 
-    ssd._side = recording_side
+    ssd._share = recording_share
+    requests, request = [], ssd.draft.request_chains
+    ssd.draft.request_chains = lambda *a: (requests.append(1), request(*a))[1]
     assert [r.token_ids for r in engine.sample(PROMPTS, GREEDY)] == ar_out
-    # SD rounds draft in this process (the worker would draft on its one core); the others ask the worker
-    assert ssd.local is not None and ssd.local.client.in_process
-    assert all((side is ssd.local) == (plan is Plan.SD) for plan, side in asked)
+    # SD rounds draft in this process with the SD engine's speculator (the worker would draft on its one
+    # core, over the whole vocabulary) and never ask the worker; SSD rounds ask it
+    assert ssd.sd is not None and all(in_process == (plan is Plan.SD) for plan, in_process in asked)
+    assert len(requests) == sum(plan.asks_draft_side and plan is not Plan.SD for plan, _ in asked)
     narrow = ({min(wide[0])}, 1)
     assert {p for p, _, _ in seen} == {Plan.SSD_DRAFT, Plan.AR, Plan.SD}
     for plan, cores, threads in seen:
         assert (cores, threads) == (narrow if plan.is_ssd else wide), plan
-    # a draft update reaches both sides: the in-process one drafts with the same, now written, copy
+    # a draft update reaches both: the worker gets the weights, the in-process speculator (it drafts
+    # with the target side's copy, now written) drops the draft KV the old weights built
+    dropped, weights_changed = [], ssd.sd.weights_changed
+    ssd.sd.weights_changed = lambda: (dropped.append(1), weights_changed())[1]
     engine.update_draft_weights(list(pair[1].model.hf_parameters().items()), version=2)
-    assert ssd.local.client.server.draft_version == 2 and ssd.draft_digest() == ssd.local.digest()
+    assert dropped == [1] and ssd.draft_digest() == weights_digest(ssd.draft_model.hf_parameters())
     assert [r.token_ids for r in engine.sample(PROMPTS, GREEDY)] == ar_out
     assert engine.metrics()["ssd/worker_failures"] == 0
     engine.close()

@@ -57,6 +57,11 @@ class DraftModelSpeculator(Speculator):
         """Apply `update` (validated by its own `apply_to`, which raises ValueError before writing) and
         drop the draft KV built with the old weights."""
         update.apply_to(params)
+        self.weights_changed()
+
+    def weights_changed(self) -> None:
+        """The draft's weights were written (here, or by whoever shares the model): drop the draft KV
+        they built; the next round's catch-up forward recomputes it."""
         for key, slot in self.slot.items():
             self.runner.rollback(slot, 0)
             self.cached[key] = 0

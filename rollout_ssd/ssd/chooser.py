@@ -29,6 +29,7 @@ from rollout_ssd.ssd.rule import StrategyConfig, StrategyRule
 log = logging.getLogger(__name__)
 
 CALIBRATE_EVERY = 128  # speculating rounds between AR decode-time calibrations, after the warm-up ones
+EXPLORE_TREE_ROWS = 32  # tree rows (branches over the batch) of a cache built before the rule has chosen
 PROBE_EVERY = 32  # decided rounds at a batch size between probes of the runner-up plan
 PROBE_WITHIN = 0.25  # ... probed when it scores within this fraction of the chosen plan
 FIRST_CALIBRATION_GAP = 16  # rounds after the warm-up calibrations (each costs one AR step of the batch)
@@ -143,6 +144,15 @@ class Chooser:
         self.stats.set_ssd_state(strategy=chosen.label, b_star=decision.b_star, predicted_speedup=predicted,
                                  scores=dict(scores), p_hit_estimate=inputs.p_hit, **timing)
         return chosen
+
+    def budget_cap(self, batch: int) -> Optional[int]:
+        """A bound on the fan-out budget per sequence while the rule has not chosen at this batch size:
+        the first rounds run SSD to measure it, and a full tree over a large batch costs several verifies
+        (the first call of a fresh engine would pay them); EXPLORE_TREE_ROWS branches over the batch in
+        all. None once chosen, or with the rule off."""
+        if self.rule.config.fixed is not None or batch_bucket(batch) in self._choices:
+            return None
+        return max(1, EXPLORE_TREE_ROWS // batch)
 
     def _probe(self, bucket: int, chosen: Plan, scores: dict[str, float]) -> Plan:
         """Every PROBE_EVERY decided rounds at a batch size, one round of the best other plan when it

@@ -65,6 +65,7 @@ class SSDConfig:
     fallback: str = _DEFAULTS["fallback"]
     max_restarts: int = _DEFAULTS["max_restarts"]
     draft_device: Optional[str] = _DEFAULTS["draft_device"]
+    stop_prob: float = _DEFAULTS["stop_prob"]  # SD rounds' early stop (the SD engine's; SpecConfig)
 
     def __post_init__(self):
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:

@@ -84,6 +84,7 @@ class Chains:
     cached: list[int] = field(default_factory=list)  # candidates cached at the realised depth
     backup_seconds: float = 0.0
     wait_seconds: float = 0.0  # the target's wait for the draft side's chains, request to validated reply
+    whole_q: Optional[DraftDistribution] = None  # one law for the whole batch (an SD round in process)
 
     @classmethod
     def empty(cls, first: list[bool]) -> "Chains":
@@ -136,6 +137,11 @@ class DraftSide:
             self.client = self._start_client(worker=config.worker)
         except WorkerFailure as err:  # a worker that cannot start is a failure like any other
             self._fail(err)
+
+    @property
+    def shares_target_tensors(self) -> bool:
+        """Whether the draft holds tensors of the target (a built-in draft's embedding)."""
+        return bool(self._shared_names)
 
     @property
     def cores(self):
@@ -342,12 +348,6 @@ class DraftSide:
             update.apply_to(params)
             self.draft_version = update.version
             self._push({n: params[n] for n in names}, old)
-
-    def weights_written(self, version: int) -> None:
-        """An in-process side whose model another side's update just wrote in place: drop what it built."""
-        with self._weights_lock:
-            self.draft_version = version
-            self._push({}, {})
 
     def on_weights_changed(self) -> None:
         """The target's weights changed: a tensor the draft shares with it changed too, so the draft side

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 A_MIN = 1e-6
 A_MAX = 1.0 - 1e-6
@@ -292,13 +293,15 @@ class FanoutPlanner:
             fit = math.floor(room / per_unit) if room > 0 else 0
         return min(max(fit, c.min_budget), c.max_budget)
 
-    def plan(self) -> FanoutPlan:
-        """The fan-outs for the next round, with the estimates behind them."""
+    def plan(self, cap: Optional[int] = None) -> FanoutPlan:
+        """The fan-outs for the next round, with the estimates behind them; `cap` (>= 1) bounds the
+        budget (a manual fan-out is kept as it is)."""
         a, r = self.a, self.r
         if self.config.manual is not None:
             fanout = list(self.config.manual)
         else:
-            fanout = geometric_fanout(a, self.config.k, self.budget, r)
+            budget = self.budget if cap is None else max(1, min(self.budget, cap))
+            fanout = geometric_fanout(a, self.config.k, budget, r)
         return FanoutPlan(tuple(fanout), sum(fanout), a, r, expected_miss_rate(fanout, a, r))
 
 

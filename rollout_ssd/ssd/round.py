@@ -22,7 +22,6 @@ leave it behind; it catches up from the committed tokens (SYNC) the next time it
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Optional
 
@@ -34,6 +33,7 @@ from rollout_ssd.metrics import EngineMetrics
 from rollout_ssd.models.decoder import Decoder
 from rollout_ssd.runner import ModelRunner
 from rollout_ssd.sequence import Sequence
+from rollout_ssd.spec.draft_model import DraftModelSpeculator
 from rollout_ssd.spec.speculator import Speculator
 from rollout_ssd.spec.verify import DenseDraft, DraftDistribution, MixedDraft, SparseDraft, VerifyResult
 from rollout_ssd.ssd.chooser import Chooser, Plan
@@ -67,23 +67,24 @@ class SSDDecode(DecodeStrategy):
         self.telemetry = RoundTelemetry(estimates, self.planner, stats, None if backup is None else backup.name)
         self.draft = DraftSide(draft_model, runner.model.hf_parameters(), config, stats,
                                runner.cache.num_slots, max_model_len or runner.max_len)
-        # SD rounds while a worker process holds a CPU core: the draft in this process, on every core
-        # (the worker would draft on its one core); made when SD is first chosen, then kept in step
-        self.local: Optional[DraftSide] = None
+        # SD rounds while a worker process holds a CPU core: the SD engine's own speculator, in this
+        # process on every core (the worker would draft on its one core, over the whole vocabulary);
+        # made when SD is first chosen, then told of every sequence
+        self.sd: Optional[DraftModelSpeculator] = None
 
     # ------------------------------------------------------------------ one round
     def step(self, running: list[Sequence]) -> int:
         """One round: its plan, docs/THEORY.md §2's four steps (module docstring), then its counts."""
         t0 = time.perf_counter()
-        fanout = self.planner.plan()
+        fanout = self.planner.plan(cap=self.chooser.budget_cap(len(running)))
         plan = self.chooser.choose(len(running), fallback=self.draft.fallback)
         ks = chain_lengths(running, self.k)
-        side, cores = self._side(plan)  # the draft side asked; the target's CPU share beside a worker
+        sd, cores = self._share(plan)  # SD in this process; the target's CPU share beside a worker
         # 1. the last verdicts out, this round's chains in (the cache, the draft on demand, a fast backup)
-        rnd = self._propose(running, ks, plan, fanout, side)
+        rnd = self._propose_sd(running, ks) if sd else self._propose(running, ks, plan, fanout)
         calibration = self.chooser.calibrate(self.runner, running, rnd.cold, cores) if plan is not Plan.AR else 0.0
         # 2. the chains to the draft side, which builds the next cache from them (a worker: during step 3)
-        told = rnd.reply is not None and side.build(running, rnd.chains, ks, plan.is_ssd, fanout.fanout)
+        told = rnd.reply is not None and self.draft.build(running, rnd.chains, ks, plan.is_ssd, fanout.fanout)
         t2 = time.perf_counter()
         # 3. each chain verified against its own q (an AR round: the AR engine's step); device time on a GPU
         timer = DeviceTimer(self.runner.device).start()
@@ -92,8 +93,9 @@ class SSDDecode(DecodeStrategy):
         t3 = time.perf_counter()
         # 4. append, roll back; the verdicts go out in the next round's step 1
         outcome = finish_round(self.runner, running, result)
-        for each in self._sides():  # a side this round did not tell catches up (SYNC) when next asked
-            each.remember(running, rnd.chains, told and each is side, outcome)
+        self.draft.remember(running, rnd.chains, told, outcome)  # untold, it catches up (SYNC) when next asked
+        if sd:
+            self.sd.on_verified(running, outcome.accepted)
         if self.backup is not None:
             self.backup.on_verified(running, outcome.accepted)
         t4 = time.perf_counter()
@@ -103,39 +105,44 @@ class SSDDecode(DecodeStrategy):
                               RoundTimes(time.perf_counter() - t0, verify_seconds, calibration))
         return outcome.emitted
 
-    def _side(self, plan: Plan) -> tuple[DraftSide, Optional[TargetCores]]:
-        """The draft side this round asks, and the target's CPU share beside a worker process (None
-        elsewhere), set for the round: its own core while the worker builds beside it (SSD), every core
-        when the worker is idle (AR; SD, drafted in this process)."""
+    def _share(self, plan: Plan) -> tuple[bool, Optional[TargetCores]]:
+        """Whether this round is SD drafted in this process (a worker process holds a CPU core: SD
+        rounds run the SD engine's speculator here instead of asking the worker), and the target's CPU
+        share beside the worker (None elsewhere), set for the round: its own core while the worker
+        builds beside it (SSD), every core when the worker is idle (AR, SD)."""
         cores = self.draft.cores
         if cores is None:
-            return self.draft, None
+            return False, None
         if plan.is_ssd:
             cores.narrow()
-            return self.draft, cores
+            return False, cores
         cores.widen()
         if plan is not Plan.SD:
-            return self.draft, cores
-        if self.local is None:
-            self.local = DraftSide(self.draft.draft_model, self.runner.model.hf_parameters(),
-                                   dataclasses.replace(self.config, worker=False), self.stats,
-                                   self.draft.num_slots, self.draft.max_model_len)
-            self.local.weights_written(self.draft.draft_version)
-            self.local.admit(list(self.draft.live.values()))
-        return self.local, cores
+            return False, cores
+        if self.sd is None:
+            self.sd = DraftModelSpeculator(self.draft.draft_model, self.draft.num_slots, self.draft.max_model_len,
+                                           stop_prob=self.config.stop_prob)
+            self.sd.on_admit(list(self.draft.live.values()))
+        return True, cores
 
-    def _sides(self) -> tuple[DraftSide, ...]:
-        return (self.draft,) if self.local is None else (self.draft, self.local)
+    def _propose_sd(self, running: list[Sequence], ks: list[int]) -> Chains:
+        """An SD round's chains from the in-process speculator, verified against its batch law."""
+        rnd = Chains.empty([self.draft.is_first_round(s) for s in running])
+        t0 = time.perf_counter()
+        prop = self.sd.propose(running, ks)
+        rnd.wait_seconds = time.perf_counter() - t0
+        rnd.chains, rnd.whole_q = [list(t) for t in prop.tokens], prop.q
+        rnd.paths = ["draft" if c else "none" for c in rnd.chains]
+        return rnd
 
-    def _propose(self, running: list[Sequence], ks: list[int], plan: Plan, fanout: FanoutPlan,
-                 side: DraftSide) -> Chains:
+    def _propose(self, running: list[Sequence], ks: list[int], plan: Plan, fanout: FanoutPlan) -> Chains:
         """Chains from the draft side where the plan asks it, then the fast backup where it gave none."""
         first = [self.draft.is_first_round(s) for s in running]
         rnd = Chains.empty(first)
         need_backup = list(range(len(running))) if plan is Plan.SUFFIX else []
-        if plan.asks_draft_side and side.client is not None:
-            if side.request_chains(running, ks, plan.drafts_on_miss, fanout.fanout, rnd):
-                need_backup = side.missed(rnd, ks)
+        if plan.asks_draft_side and self.draft.client is not None:
+            if self.draft.request_chains(running, ks, plan.drafts_on_miss, fanout.fanout, rnd):
+                need_backup = self.draft.missed(rnd, ks)
             else:  # the draft side failed: nothing it sent is used, every row verifies an empty chain
                 rnd, need_backup = Chains.empty(first), []
         if need_backup and self.backup is not None and plan.uses_backup:
@@ -152,7 +159,7 @@ class SSDDecode(DecodeStrategy):
         """An AR round is the AR engine's decode step; otherwise each chain against its own q."""
         if plan is Plan.AR:
             return ar_verdict(self.runner, running)
-        return self.verify_round(running, rnd.chains, MixedDraft(rnd.q))
+        return self.verify_round(running, rnd.chains, rnd.whole_q if rnd.whole_q is not None else MixedDraft(rnd.q))
 
     def verify_round(self, seqs: list[Sequence], chains: list[list[int]], q: DraftDistribution) -> VerifyResult:
         return verify_round(self.runner, seqs, chains, q)
@@ -176,20 +183,22 @@ class SSDDecode(DecodeStrategy):
 
     def on_admit(self, seqs: list[Sequence]) -> None:
         new = self.draft.admit(seqs)
-        if self.local is not None:
-            self.local.admit(seqs)
+        if new and self.sd is not None:
+            self.sd.on_admit(new)
         if new and self.backup is not None:
             self.backup.on_admit(new)
 
     def on_release(self, seq: Sequence) -> None:
-        for side in self._sides():
-            side.release(seq)
+        self.draft.release(seq)
+        if self.sd is not None:
+            self.sd.on_release(seq)
         if self.backup is not None:
             self.backup.on_release(seq)
 
     def close(self) -> None:
-        for side in self._sides():
-            side.close()
+        self.draft.close()
+        if self.sd is not None:
+            self.sd.close()
         if self.backup is not None:
             self.backup.close()
 
@@ -200,12 +209,13 @@ class SSDDecode(DecodeStrategy):
 
     def apply_draft_update(self, update, params: dict[str, torch.Tensor], names: tuple[str, ...]) -> None:
         self.draft.apply_draft_update(update, params, names)
-        if self.local is not None:  # it drafts with the same (now written) copy: drop what it built
-            self.local.weights_written(update.version)
+        if self.sd is not None:  # it drafts with the same (now written) copy: drop what it built
+            self.sd.weights_changed()
 
     def on_weights_changed(self) -> None:
-        for side in self._sides():
-            side.on_weights_changed()
+        self.draft.on_weights_changed()
+        if self.sd is not None and self.draft.shares_target_tensors:  # a shared tensor may have changed
+            self.sd.weights_changed()
 
     def draft_digest(self) -> int:
         """weights_digest of the weights the draft side holds now (asked of the worker itself)."""

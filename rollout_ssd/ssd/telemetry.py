@@ -93,6 +93,9 @@ class RoundTelemetry:
         transfer), as the `ssd/*` state they set. SD's drafting is timed apart ("plain_draft"): on a CPU
         it runs in the target's process on every core, not in the worker as an SSD round's misses do."""
         state, b, reply = {}, len(rnd.paths), rnd.reply
+        if reply is None and plan is Plan.SD and any(p == "draft" for p in rnd.paths):  # drafted in process
+            timed("plain_draft", rnd.wait_seconds, b)
+            state["T_b"] = rnd.wait_seconds / verify_seconds
         if reply is not None:
             if reply.build_seconds > 0 and self._prev_verify:
                 timed("primary", reply.build_seconds, self._prev_batch)
