@@ -7,11 +7,11 @@ timed SSD round (first rounds left out) it splits the target's time into
   - forward: the verify's target forward, while the worker builds the next cache beside it;
   - judge: the rest of the verify (sampling, the accept/reject walk);
   - tail: append, KV rollback, messages, bookkeeping;
-and measures beside it, on the same round, the same forward with the worker idle (between its reply
-and the chains it is sent: `forward alone`), so `forward / forward alone` is what the concurrent build
-costs the verify (the two processes share the memory bus), and the worker's own build time (T_p once
-divided by the verify). The SD engine's rounds give draft and verify seconds per round. Theorem 7's
-prediction from the measured parts is printed next to the measured SSD/SD.
+(calibration steps left out) and, beside them, the worker's own build time (T_p once divided by the
+verify), per path (hit or drafted on a miss) the target's wait and the worker's drafting time. The SD
+engine's rounds give draft and verify seconds per round. Theorem 7's prediction from the measured parts
+(once with the SD engine's draft time as T_b, once with the misses' measured wait) is printed next to
+the measured SSD/SD.
 
     .venv/bin/python bench/profile_ssd_round.py                      # batch 1, greedy, K=4
     .venv/bin/python bench/profile_ssd_round.py --temperature 1
@@ -76,13 +76,6 @@ class RoundProbe:
                          "drafting": rnd.reply.backup_seconds if rnd.reply is not None else 0.0,
                          "q_bytes": sum(q.probs.numel() * q.probs.element_size() for q in rnd.q
                                         if q is not None and hasattr(q, "probs"))}
-            if not rnd.cold:  # the same forward as the verify's, the worker idle; then undone
-                chains = [[s.last_token] + list(c) for s, c in zip(running, rnd.chains)]
-                t0 = time.perf_counter()
-                extend([s.slot for s in running], chains, last_only=False)
-                self._cur["forward_alone"] = time.perf_counter() - t0
-                for s in running:
-                    self.runner.rollback(s.slot, s.num_tokens - 1)
             return rnd
 
         def probe_build(*a, **kw):
@@ -101,7 +94,7 @@ class RoundProbe:
             self._concurrent = False
             r = self.trace[-1]
             cur = self._cur
-            cur.update(seconds=r["seconds"] - cur.get("forward_alone", 0.0), verify=r["verify_seconds"],
+            cur.update(seconds=r["seconds"] - r["calibration_seconds"], verify=r["verify_seconds"],
                        emitted=r["emitted"], paths=dict(r["paths"]))
             self.rounds.append(cur)
             return out
@@ -141,14 +134,13 @@ def main(argv=None):
 
     warm = [r for r in probe.rounds if not r["cold"] and "forward" in r]
     n = max(len(warm), 1)
-    mean = {key: sum(r[key] for r in warm) / n for key in ("seconds", "wait", "verify", "forward", "forward_alone",
-                                                             "build", "emitted", "q_bytes")}
+    mean = {key: sum(r[key] for r in warm) / n for key in ("seconds", "wait", "verify", "forward", "build",
+                                                             "emitted", "q_bytes")}
     parts = {"wait": mean["wait"], "forward (beside the build)": mean["forward"],
              "judge": mean["verify"] - mean["forward"],
              "tail": mean["seconds"] - mean["wait"] - mean["verify"]}
     rows = [{"part": k, "ms/round": 1000 * v, "share": v / mean["seconds"]} for k, v in parts.items()]
-    rows += [{"part": "forward alone (worker idle)", "ms/round": 1000 * mean["forward_alone"], "share": None},
-             {"part": "worker build (T_p x verify)", "ms/round": 1000 * mean["build"], "share": None}]
+    rows += [{"part": "worker build (T_p x verify)", "ms/round": 1000 * mean["build"], "share": None}]
     print(f"SSD rounds timed: {len(warm)}, tokens per round {mean['emitted']:.2f} (batch {args.batch}), "
           f"q bytes per round {mean['q_bytes']:.0f}")
     print_table(rows, floatfmt=".3f")
@@ -167,7 +159,7 @@ def main(argv=None):
         "SD tok/s": sd_tokens / sd_seconds, "SSD tok/s": ssd_tokens / ssd_seconds,
         "SSD/SD measured": (ssd_tokens / ssd_seconds) / (sd_tokens / sd_seconds),
         "SSD/SD predicted (Theorem 7)": predicted, "SD accept": a_sd, "SSD accept": a_ssd, "hit (warm)": p_hit,
-        "T_SD": t_sd, "T_p": t_p, "forward / forward alone": mean["forward"] / max(mean["forward_alone"], 1e-12),
+        "T_SD": t_sd, "T_p": t_p,
     }
     by_path = []
     for path in ("hit", "draft"):

@@ -28,6 +28,7 @@ from rollout_ssd.kv_cache import KVCache
 from rollout_ssd.methods import BuildContext, make_strategy
 from rollout_ssd.metrics import EngineMetrics
 from rollout_ssd.models.attention import select_backend
+from rollout_ssd.models.cpu_backend import warm_packed
 from rollout_ssd.models.loader import LoadedModel, load_pretrained
 from rollout_ssd.params import Prompt, Rollout, SamplingParams
 from rollout_ssd.request import Request
@@ -111,6 +112,7 @@ class RolloutEngine:
         for loaded in (target, draft):  # the attention backend of each model the engine runs, by its device
             if loaded is not None:
                 loaded.model.backend = select_backend(engine.attention, loaded.model.embed.device)
+                warm_packed(loaded.model)  # the CPU kernels its first rounds would otherwise make
         self.runner = ModelRunner(target.model, num_slots=slots, max_len=self.max_model_len)
         if engine.cuda_graphs:
             self.runner.use_static_steps()

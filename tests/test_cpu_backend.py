@@ -57,3 +57,24 @@ def test_bf16_decoder_outputs_are_unchanged_by_packing(tmp_path, monkeypatch):
         out[on] = [runner.prefill([0, 1, 2], [[1, 2, 3, 4], [5, 6], [7]]), runner.decode([0, 1, 2], [8, 9, 10]),
                    runner.extend([0, 2], [[1, 2, 3], [4, 5, 6]])]
     assert all(torch.equal(a, b) for a, b in zip(out[True], out[False]))
+
+
+def test_warm_packed_packs_every_linear_and_changes_no_output(tmp_path):
+    """warm_packed (done when an engine takes a model) packs each frozen bf16 weight once and leaves the
+    model's outputs bitwise as they were; a no-op where the packed form does not apply (float32)."""
+    from rollout_ssd.models.cpu_backend import warm_packed
+    from rollout_ssd.models.loader import load_pretrained
+    from rollout_ssd.runner import ModelRunner
+    from tests.support.models import build_tiny
+
+    build_tiny(tmp_path, family="qwen2-bias-tied")
+    outs = []
+    for dtype, warm in (("bfloat16", False), ("bfloat16", True), ("float32", True)):
+        model = load_pretrained(str(tmp_path), dtype=dtype).model
+        if warm:
+            warm_packed(model, rows=4)
+            packed = sum(len(layer.row_major) for layer in model.layers) + len(model.copies)
+            assert packed == (4 * len(model.layers) + 1 if packed_bf16() and dtype == "bfloat16" else 0)
+        runner = ModelRunner(model, num_slots=2, max_len=32)
+        outs.append(runner.prefill([0, 1], [[1, 2, 3, 4], [5, 6]]))
+    assert torch.equal(outs[0], outs[1])

@@ -173,6 +173,32 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: 
     return out.view(*x.shape[:-1], w.shape[0])
 
 
+# oneDNN makes a kernel per (weight shape, row count) the first time it meets one: 0.3-1 ms each (a first
+# call of a fresh engine meets dozens: decode and verify at each batch size as the batch shrinks), and
+# packs each weight on its first use. `warm_packed` does both when a model is put to work.
+WARM_ROWS = 32
+
+
+def warm_packed(model, rows: int = WARM_ROWS) -> None:
+    """Pack a frozen bf16 CPU model's linear weights and make oneDNN's kernels for 1..`rows` rows of each
+    distinct weight shape (the layers share theirs: one layer's pass covers them) and of the LM head. A
+    no-op where the packed form does not apply. The outputs are thrown away; nothing is written."""
+    if not (packed_bf16() and model.dtype == torch.bfloat16 and model.embed.is_cpu):
+        return
+    seen: set[tuple] = set()
+    with torch.inference_mode():
+        for layer in model.layers:
+            for name, bias in (("wqkv", layer.bqkv), ("wo", None), ("w_gate_up", None), ("w_down", None)):
+                w = getattr(layer, name)
+                key = (tuple(w.shape), bias is not None)
+                for m in range(1, rows + 1) if key not in seen else (1,):  # (1,): packs it
+                    packed_linear(torch.zeros(m, w.shape[1], dtype=w.dtype), w, layer.row_major, name, bias)
+                seen.add(key)
+        head = model.lm_head
+        for m in range(1, rows + 1):
+            packed_linear(torch.zeros(m, head.shape[1], dtype=head.dtype), head, model.copies, "lm_head")
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,
            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear(x, w, bias); for 2+ rows of a frozen float32 CPU weight, the fastest GEMM form measured.

@@ -23,6 +23,7 @@ import traceback
 
 import torch
 
+from rollout_ssd.models.cpu_backend import warm_packed
 from rollout_ssd.models.decoder import Decoder
 from rollout_ssd.ssd.messages import (
     MESSAGES,
@@ -71,6 +72,7 @@ def worker_main(args: dict) -> None:
         sock.connect(args["socket_path"])
         bufs = Buffers.open(args["directory"], tuple(args["sizes"]))
         model = _load_model(args)
+        warm_packed(model)  # this process's own CPU kernels, before its first rounds
         server = DraftServer(model, args["num_slots"], args["max_model_len"], args["k"], args["max_branches"],
                              SaguaroRule(C=args["C"], c_min=args["c_min"]), draft_version=args.get("draft_version", 0))
         _reply(sock, bufs, Ready(os.getpid()), 0)
