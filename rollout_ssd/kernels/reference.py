@@ -142,15 +142,22 @@ def build_tree_mask(meta: TreeAttentionMetadata, max_len: int) -> torch.Tensor:
     return mask
 
 
-def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: TreeAttentionMetadata) -> None:
+def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """q [Nq, Hq, D] and caches [S, Hkv, Lmax, D] of one head dim, Hq a multiple of Hkv (ValueError)."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"q: expected [Nq, Hq, D] and caches [S, Hkv, Lmax, D], got "
                          f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    nq, hq, d = q.shape
-    s, hkv, max_len, dk = k_cache.shape
+    hq, d = q.shape[1:]
+    hkv, dk = k_cache.shape[1], k_cache.shape[3]
     if dk != d or hq % hkv != 0:
         raise ValueError(f"q: head dim {d} vs cache {dk}; Hq={hq} must be a multiple of Hkv={hkv}")
+
+
+def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: TreeAttentionMetadata) -> None:
+    check_shapes(q, k_cache, v_cache)
+    nq = q.shape[0]
+    s, max_len = k_cache.shape[0], k_cache.shape[2]
     if meta.num_queries != nq:
         raise ValueError(f"meta: {meta.num_queries} queries, q has {nq}")
     if meta.num_slots > s or meta.max_key_end > max_len:

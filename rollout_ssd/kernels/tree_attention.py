@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout_ssd.kernels.reference import check_shapes
+
 _LOG2_E = 1.4426950408889634
 
 
@@ -131,13 +133,7 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"q: expected [Nq, Hq, D] and caches [S, Hkv, Lmax, D], got "
-                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    nq, hq, d = q.shape
-    num_slots, hkv, max_len, dk = k_cache.shape
-    if dk != d or hq % hkv != 0:
-        raise ValueError(f"q: head dim {d} vs cache {dk}; Hq={hq} must be a multiple of Hkv={hkv}")
+    check_shapes(q, k_cache, v_cache)
     if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in (
             torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q: dtypes {q.dtype}, {k_cache.dtype}, {v_cache.dtype}; "
