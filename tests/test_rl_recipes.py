@@ -292,9 +292,13 @@ def test_rollout_actor_places_its_engine_and_the_learner_picks_the_device_checks
 
     monkeypatch.setattr(actors, "resolve_models", lambda cfg: ("target", "draft"))
     monkeypatch.setattr(actors.RolloutEngine, "from_pretrained", staticmethod(fake_from_pretrained))
-    ssd = tiny(tmp_path, "ray.enabled=false", "device=cuda:0", "draft_device=cuda:1")
+    ssd = tiny(tmp_path, "ray.enabled=false", "device=cuda:0", "draft_device=cuda:1", "engine.cuda_graphs=true",
+               "engine.attention=triton", "engine.gpu_memory_utilization=0.8")
     actors.RolloutWorker(ssd)
     assert seen["device"] == "cuda:0" and seen["draft_device"] == "cuda:1"
+    # every EngineConfig field reaches the engine (the GPU ones too)
+    assert (seen["cuda_graphs"], seen["attention"], seen["gpu_memory_utilization"]) == (True, "triton", 0.8)
+    assert seen["max_batch_size"] == ssd.engine.max_batch_size
     actors.RolloutWorker(tiny(tmp_path, "ray.enabled=false", "spec.method=sd", "device=cuda:0", "draft_device=cuda:1"))
     assert seen["draft_device"] is None  # SD's draft runs on `device`
     assert actors.LearnerWorker.sender_config(types.SimpleNamespace(cfg=ssd)).checksum == "sum64"

@@ -11,6 +11,7 @@ Weights never travel through Ray's object store; Ray carries only plain lists, n
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from datetime import timedelta
 from typing import Optional, Sequence
@@ -72,10 +73,9 @@ class RolloutWorker:
             torch.set_num_threads(threads)
         target, draft = resolve_models(cfg)
         placement = dict(device=cfg.device, draft_device=cfg.draft_device if cfg.spec.method == "ssd" else None)
+        engine_options = {f.name: getattr(cfg.engine, f.name) for f in dataclasses.fields(cfg.engine)}  # all of them
         self.engine = RolloutEngine.from_pretrained(target, draft=draft if has_draft(cfg) else None, spec=cfg.spec,
-                                                    dtype=cfg.dtype, **placement, **{f: getattr(cfg.engine, f) for f in
-                                                                        ("max_batch_size", "max_model_len",
-                                                                         "kv_cache_bytes")})
+                                                    dtype=cfg.dtype, **placement, **engine_options)
         self.cfg = cfg
 
     # -- weight sync ---------------------------------------------------------------------------------
