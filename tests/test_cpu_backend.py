@@ -78,3 +78,32 @@ def test_warm_packed_packs_every_linear_and_changes_no_output(tmp_path):
         runner = ModelRunner(model, num_slots=2, max_len=32)
         outs.append(runner.prefill([0, 1], [[1, 2, 3, 4], [5, 6]]))
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b,t,length", [(1, 1, 37), (4, 1, 200), (3, 5, 64), (2, 16, 50)])
+def test_explicit_attention_is_gqa_masked_attention_within_its_output_rounding(dtype, b, t, length):
+    """cpu_backend.explicit_attention (a few queries over a 16-bit CPU cache) against float64 SDPA with the
+    same mask and GQA grouping: every element within the output dtype's rounding of the reference (the
+    unit roundoff, 2^-8 / 2^-11 relative for bf16 / fp16) plus the float32 arithmetic's share (1e-5 of the
+    largest magnitude); the bound is computed from the case, not from this CPU's kernels."""
+    from rollout_ssd.models.cpu_backend import explicit_attention, explicit_attention_applies
+
+    g = torch.Generator().manual_seed(b * 1000 + t * 10 + length)
+    q = torch.randn(b, 9, t, 64, generator=g).to(dtype)
+    k = torch.randn(b, 3, length, 64, generator=g).to(dtype)
+    v = torch.randn(b, 3, length, 64, generator=g).to(dtype)
+    mask = torch.rand(b, 1, t, length, generator=g) > 0.3
+    mask[..., 0] = True  # every query sees a key
+    assert explicit_attention_applies(q)
+    out = explicit_attention(q, k, v, mask, 0.125).double()
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(3, 1), v.double().repeat_interleave(3, 1), attn_mask=mask, scale=0.125)
+    half_ulp = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11  # unit roundoff of the output dtype
+    bound = half_ulp * ref.abs() * (1 + 1e-3) + 1e-5 * ref.abs().max()
+    assert ((out - ref).abs() <= bound).all()
+    unmasked = explicit_attention(q, k, v, None, 0.125).double()
+    ref_all = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(3, 1), v.double().repeat_interleave(3, 1), scale=0.125)
+    assert ((unmasked - ref_all).abs() <= half_ulp * ref_all.abs() * (1 + 1e-3) + 1e-5 * ref_all.abs().max()).all()
+    assert not explicit_attention_applies(q.float()) and not explicit_attention_applies(torch.zeros(1, 9, 17, 64, dtype=dtype))

@@ -7,7 +7,9 @@ each layer's queries over that layer's whole KV cache (`__call__`):
 
   sdpa    PyTorch SDPA over the rows' caches cut to the read length (a view when the slots are one
           run, else a gather), with a dense [B, 1, T, L] visibility mask (none when every query sees
-          every key: the equal-length decode). On every device; on CUDA, SDPA picks its fused kernel.
+          every key: the equal-length decode). On every device; on CUDA, SDPA picks its fused kernel; on a
+          CPU, a few queries per row over a 16-bit cache take the CPU backend's explicit form instead
+          (models/cpu_backend.py: the CPU flash kernel with a mask is several times slower there).
   triton  the span-based Triton kernel (rollout_ssd/kernels/tree_attention.py): each query reads only
           its own keys, given as half-open spans of its slot ([Nq, S, 2] on the device), so no mask is
           built, no slot is gathered and the masked tail is never loaded. Decode's query sees
@@ -35,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout_ssd.config import ATTENTION
+from rollout_ssd.models import cpu_backend
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,8 @@ class SDPABackend(AttentionBackend):
 
     def __call__(self, q, k_cache, v_cache, prepared: MaskedRead, scale):
         k, v = prepared.read(k_cache), prepared.read(v_cache)
+        if cpu_backend.explicit_attention_applies(q):  # a few queries on a 16-bit CPU cache: the CPU backend's form
+            return cpu_backend.explicit_attention(q, k, v, prepared.mask, scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=prepared.mask, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
 
