@@ -52,6 +52,16 @@ def test_thread_draft_side_is_exact_and_leaves_no_thread(pair, threaded):
     local.close()
 
 
+def _samples_exactly_through_one_failure(engine, want, match: str) -> None:
+    """The engine's greedy rollouts equal `want` although its draft side fails once (warned as `match`,
+    counted once); then it is closed."""
+    with pytest.warns(RuntimeWarning, match=match):
+        out = engine.sample(PROMPTS, GREEDY)
+    assert [r.token_ids for r in out] == want
+    assert engine.metrics()["ssd/worker_failures"] == 1
+    engine.close()
+
+
 def test_a_failing_draft_thread_falls_back_exactly(pair, threaded, monkeypatch):
     want = [r.token_ids for r in ar_engine(pair[0], 3).sample(PROMPTS, GREEDY)]
     engine = ssd_engine(*pair, batch=3, k=3, fanout=(1, 1, 1, 2), worker=True, max_restarts=0)
@@ -66,11 +76,7 @@ def test_a_failing_draft_thread_falls_back_exactly(pair, threaded, monkeypatch):
         return build(msg)
 
     monkeypatch.setattr(server, "build", failing)
-    with pytest.warns(RuntimeWarning, match="draft worker failed"):
-        out = engine.sample(PROMPTS, GREEDY)
-    assert [r.token_ids for r in out] == want
-    assert engine.metrics()["ssd/worker_failures"] == 1
-    engine.close()
+    _samples_exactly_through_one_failure(engine, want, "draft worker failed")
     assert _draft_threads() == []
 
 
@@ -113,8 +119,4 @@ def test_a_reply_with_an_invalid_q_is_refused_and_the_rollouts_stay_exact(pair, 
         return dataclasses.replace(reply, rows=tuple(rows))
 
     monkeypatch.setattr(server, "resolve", corrupt)
-    with pytest.warns(RuntimeWarning, match="invalid q"):
-        out = engine.sample(PROMPTS, GREEDY)
-    assert [r.token_ids for r in out] == want
-    assert engine.metrics()["ssd/worker_failures"] == 1
-    engine.close()
+    _samples_exactly_through_one_failure(engine, want, "invalid q")

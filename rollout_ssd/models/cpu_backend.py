@@ -205,26 +205,24 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 # call of a fresh engine meets dozens: decode and verify at each batch size as the batch shrinks), and
 # packs each weight on its first use. `warm_packed` does both when a model is put to work.
 WARM_ROWS = 32
+_WARMED: set[tuple] = set()  # (weight shape, bias?, rows) whose kernels this process has made: oneDNN keeps them
 
 
 def warm_packed(model, rows: int = WARM_ROWS) -> None:
     """Pack a frozen bf16 CPU model's linear weights and make oneDNN's kernels for 1..`rows` rows of each
-    distinct weight shape (the layers share theirs: one layer's pass covers them) and of the LM head. A
-    no-op where the packed form does not apply. The outputs are thrown away; nothing is written."""
+    distinct weight shape (the layers share theirs; a later engine over the same shapes makes none) and
+    of the LM head. A no-op where the packed form does not apply. The outputs are thrown away; nothing
+    is written."""
     if not (packed_bf16() and model.dtype == torch.bfloat16 and model.embed.is_cpu):
         return
-    seen: set[tuple] = set()
+    weights = [(getattr(layer, name), bias, layer.row_major, name) for layer in model.layers
+               for name, bias in (("wqkv", layer.bqkv), ("wo", None), ("w_gate_up", None), ("w_down", None))]
     with torch.inference_mode():
-        for layer in model.layers:
-            for name, bias in (("wqkv", layer.bqkv), ("wo", None), ("w_gate_up", None), ("w_down", None)):
-                w = getattr(layer, name)
-                key = (tuple(w.shape), bias is not None)
-                for m in range(1, rows + 1) if key not in seen else (1,):  # (1,): packs it
-                    packed_linear(torch.zeros(m, w.shape[1], dtype=w.dtype), w, layer.row_major, name, bias)
-                seen.add(key)
-        head = model.lm_head
-        for m in range(1, rows + 1):
-            packed_linear(torch.zeros(m, head.shape[1], dtype=head.dtype), head, model.copies, "lm_head")
+        for w, bias, copies, name in weights + [(model.lm_head, None, model.copies, "lm_head")]:
+            key = (tuple(w.shape), bias is not None, rows)
+            for m in range(1, rows + 1) if key not in _WARMED else (1,):  # (1,): packs this weight
+                packed_linear(torch.zeros(m, w.shape[1], dtype=w.dtype), w, copies, name, bias)
+            _WARMED.add(key)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,

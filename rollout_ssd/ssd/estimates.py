@@ -169,6 +169,7 @@ class LiveEstimates:
     # "drafting": the draft side's own time drafting K tokens on demand (without the target's wait for
     # a cache build to finish, nor the transfer): what SD's drafting costs where it runs in process
     UNPRIORED = (*PLAIN, "decode_narrow", "drafting")
+    MEDIANS = ("decode", "decode_narrow")
 
     def __init__(self, config: EstimatesConfig):
         self.config = config
@@ -179,11 +180,10 @@ class LiveEstimates:
         self._accept = {s: _Ratio(a[s], w, d) for s in SPECULATORS}
         e = tokens_from_acceptance(a, config.k)
         self._tokens = {path: _Ratio(e[path], w, d) for path in self.PATHS}
-        self._times = {name: _BatchTimes((lambda: _RecentMedian(self.DECODE_WINDOW)) if name == "decode"
+        # AR's step times (rare calibrations) are medians of their last few; every other time a mean
+        self._times = {name: _BatchTimes((lambda: _RecentMedian(self.DECODE_WINDOW)) if name in self.MEDIANS
                                          else (lambda: _Mean(d)))
-                       for name in self.TIMES}
-        self._times.update({name: _BatchTimes(lambda: _RecentMedian(self.DECODE_WINDOW)) if name == "decode_narrow"
-                            else _BatchTimes(lambda: _Mean(d)) for name in self.UNPRIORED})
+                       for name in self.TIMES + self.UNPRIORED}
 
     def observe_cache(self, hits: int, misses: int) -> None:
         """Sequences whose verdict was found in the speculation cache this round, and those that were not."""
