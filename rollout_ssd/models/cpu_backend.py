@@ -174,9 +174,9 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: 
 
 
 # Attention of a few queries per row over a 16-bit CPU cache (decode, verify, SSD's tree steps): PyTorch's
-# CPU flash kernel with a visibility mask costs 2-5x the explicit softmax(q k^T) v on float32 copies at
-# batch 4-24 (bench/RESULTS.md, "Attention of a few queries on a bf16 CPU cache"), which is also closer to
-# a float64 reference. float32 caches and longer (prefill) rows keep SDPA.
+# CPU flash kernel with a visibility mask costs several times the explicit softmax(q k^T) v on float32
+# copies at batch 4 and more (bench/RESULTS.md, "Attention of a few queries on a bf16 CPU cache"), which
+# is also closer to a float64 reference. float32 caches and longer (prefill) rows keep SDPA.
 EXPLICIT_ATTENTION_MAX_QUERIES = 16
 
 
@@ -201,9 +201,10 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     return out.view(b, hq, t, d).to(q.dtype)
 
 
-# oneDNN makes a kernel per (weight shape, row count) the first time it meets one: 0.3-1 ms each (a first
-# call of a fresh engine meets dozens: decode and verify at each batch size as the batch shrinks), and
-# packs each weight on its first use. `warm_packed` does both when a model is put to work.
+# oneDNN makes a kernel per (weight shape, row count) the first time it meets one (a first call of a fresh
+# engine meets dozens: decode and verify at each batch size as the batch shrinks; bench/RESULTS.md, "The
+# SSD engine's first call"), and packs each weight on its first use. `warm_packed` does both when a model
+# is put to work.
 WARM_ROWS = 32
 _WARMED: set[tuple] = set()  # (weight shape, bias?, rows) whose kernels this process has made: oneDNN keeps them
 
