@@ -35,7 +35,7 @@ def demo(args) -> int:
 
     params = SamplingParams(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                             seed=args.seed, chat=True)
-    rows, shown, dtype = [], False, None
+    rows, shown, model = [], False, None
     for method in _methods(args.methods):
         draft = None
         if method != "ar":
@@ -61,18 +61,21 @@ def demo(args) -> int:
                 print(f"A: {r.text.strip()}")
             shown = True
         rows.append((method, m))
-        dtype = engine.target.model.dtype
-    _table(rows, dtype)
+        model = engine.target.model
+    if model is not None:
+        _table(rows, model.dtype, model.embed.device)
     return 0
 
 
-def _table(rows: list[tuple[str, dict]], dtype) -> None:
-    """The methods side by side, under a line saying what they ran on (CPU kind or GPU, dtype, threads)."""
+def _table(rows: list[tuple[str, dict]], dtype, device) -> None:
+    """The methods side by side, under a line saying what they ran on (the target's device: its GPU, or
+    the CPU's kind; dtype; threads)."""
     import torch
 
     from rollout_ssd.models.cpu_backend import cpu_kind
 
-    where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU {cpu_kind()}"
+    device = torch.device(device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU {cpu_kind()}"
     print(f"\n{where}, {str(dtype).replace('torch.', '')}, {torch.get_num_threads()} threads")
     print(f"{'method':<6} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'accept':>7} {'len/round':>9} {'hit rate':>8}"
           "  rounds by strategy")

@@ -22,10 +22,9 @@ def _metrics(tokens, seconds, per_round, accept=None, hit=None, rounds=None):
 def test_table_says_where_it_ran_and_what_each_method_chose(capsys):
     rows = [("ar", _metrics(100, 2.0, 1.0)), ("sd", _metrics(110, 1.0, 1.8, accept=0.5)),
             ("ssd", _metrics(105, 1.5, 1.2, accept=0.45, hit=0.25, rounds={"ssd+neural": 3, "ar": 20}))]
-    _table(rows, torch.bfloat16)
+    _table(rows, torch.bfloat16, torch.device("cpu"))  # a CPU run says the CPU's kind, GPU or not
     lines = capsys.readouterr().out.strip().splitlines()
-    where = "CPU " + cpu_kind() if not torch.cuda.is_available() else torch.cuda.get_device_name()
-    assert lines[0] == f"{where}, bfloat16, {torch.get_num_threads()} threads"
+    assert lines[0] == f"CPU {cpu_kind()}, bfloat16, {torch.get_num_threads()} threads"
     assert lines[1].split()[:4] == ["method", "tokens", "seconds", "tokens/s"] and lines[1].endswith("rounds by strategy")
     ar, sd, ssd = (line.split() for line in lines[2:])
     assert ar[:4] == ["ar", "100", "2.0", "50.0"] and ar[4] == "-" and ar[-2:] == ["(every", "round)"]
