@@ -9,12 +9,11 @@ attention shape (9 query / 3 KV heads, head dim 64), bf16 and float32; time per 
 from __future__ import annotations
 
 import argparse
-import time
 from functools import partial
 
 import torch
 import torch.nn.functional as F
-from common import add_repo_to_path, machine_note, print_json_line, print_table
+from common import add_repo_to_path, machine_note, print_json_line, print_table, time_call
 
 add_repo_to_path()
 
@@ -24,14 +23,10 @@ SHAPES = ((1, 1, 200), (4, 1, 200), (4, 5, 200), (24, 1, 300), (8, 5, 300))  # b
 
 
 def per_call(fn, calls: int) -> float:
+    """Seconds per call: the middle of `calls` timed calls after 10 untimed ones."""
     for _ in range(10):
         fn()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    return sorted(time_call(fn, calls))[calls // 2]
 
 
 def main(argv=None):
