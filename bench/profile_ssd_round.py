@@ -3,12 +3,13 @@
 SSD (rule off: every round SSD with the draft backup, the draft worker on its own core) and SD, one
 thread per process, prompts one at a time (`--batch 1`) or together, greedy or T=1, dtype auto. Per
 timed SSD round (first rounds left out) it splits the target's time into
-  - wait: request to validated reply (the verdicts out, the chains and their q in, a miss's drafting);
+  - wait: request to validated reply (the verdicts out, the chains and their q in), and a miss's
+    drafting (by SD's speculator in the target's process, on both cores; the worker's with Saguaro on);
   - forward: the verify's target forward, while the worker builds the next cache beside it;
   - judge: the rest of the verify (sampling, the accept/reject walk);
   - tail: append, KV rollback, messages, bookkeeping;
 (calibration steps left out) and, beside them, the worker's own build time (T_p once divided by the
-verify), per path (hit or drafted on a miss) the target's wait and the worker's drafting time. The SD
+verify), per path (hit or drafted on a miss) the target's wait and the miss's drafting time. The SD
 engine's rounds give draft and verify seconds per round. Theorem 7's prediction from the measured parts
 (once with the SD engine's draft time as T_b, once with the misses' measured wait) is printed next to
 the measured SSD/SD.
@@ -16,6 +17,7 @@ the measured SSD/SD.
     .venv/bin/python bench/profile_ssd_round.py                      # batch 1, greedy, K=4
     .venv/bin/python bench/profile_ssd_round.py --temperature 1
     .venv/bin/python bench/profile_ssd_round.py --quick              # a smoke run
+    .venv/bin/python bench/profile_ssd_round.py --draft DIR          # another draft (part 1's sweep)
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--prompt-set", default="templates", choices=("templates", "unseen"))
+    p.add_argument("--draft", default="default", help="a draft checkpoint directory (default: the built-in)")
     p.add_argument("--quick", action="store_true", help="2 prompts, 16 tokens")
     args = p.parse_args(argv)
     if args.quick:
@@ -69,11 +72,12 @@ class RoundProbe:
                 self._cur["forward"] = self._cur.get("forward", 0.0) + time.perf_counter() - t0
             return out
 
-        def probe_propose(running, ks, plan, fanout):
-            rnd = propose(running, ks, plan, fanout)
+        def probe_propose(running, ks, plan, fanout, *rest):
+            rnd = propose(running, ks, plan, fanout, *rest)
+            here = rnd.drafted_here[1] if rnd.drafted_here is not None else 0.0
             self._cur = {"batch": len(running), "cold": rnd.cold, "wait": rnd.wait_seconds,
                          "build": rnd.reply.build_seconds if rnd.reply is not None else 0.0,
-                         "drafting": rnd.reply.backup_seconds if rnd.reply is not None else 0.0,
+                         "drafting": (rnd.reply.backup_seconds if rnd.reply is not None else 0.0) + here,
                          "q_bytes": sum(q.probs.numel() * q.probs.element_size() for q in rnd.q
                                         if q is not None and hasattr(q, "probs"))}
             return rnd
@@ -102,6 +106,18 @@ class RoundProbe:
         self.ssd.step = stepped
 
 
+def count_rounds(engine) -> list[int]:
+    """A list that gets one entry per round the engine's strategy steps."""
+    rounds, step = [], engine.strategy.step
+
+    def stepped(running):
+        rounds.append(len(running))
+        return step(running)
+
+    engine.strategy.step = stepped
+    return rounds
+
+
 def run(engine, prompts, params, batch):
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     t0 = time.perf_counter()
@@ -113,7 +129,7 @@ def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(1)
     target = load_pretrained("smollm2-135m-instruct", dtype=args.dtype)
-    draft = load_pretrained(resolve_draft("default", "smollm2-135m-instruct"), dtype=args.dtype,
+    draft = load_pretrained(resolve_draft(args.draft, "smollm2-135m-instruct"), dtype=args.dtype,
                             with_tokenizer=False, share_embedding_from=target.model)
     prompts = bench_prompts(target.tokenizer, args.prompt_set, args.prompts)
     cfg = EngineConfig(max_batch_size=args.batch, max_model_len=max(map(len, prompts)) + args.new_tokens + 8)
@@ -122,10 +138,12 @@ def main(argv=None):
     ssd = RolloutEngine(target, SpecConfig(method="ssd", k=args.k, strategy_rule=False), cfg, draft=draft)
     probe = RoundProbe(ssd)
     probe.hook_round_end()
+    sd_rounds = count_rounds(sd)
     for engine in (sd, ssd):  # warm-up call each (first shapes, the worker's first builds), not counted
         run(engine, prompts[:1], SamplingParams(temperature=args.temperature, max_new_tokens=8, ignore_eos=True), 1)
         engine.metrics(reset=True)
     probe.rounds.clear()
+    sd_rounds.clear()
     sd_tokens, sd_seconds = run(sd, prompts, params, args.batch)
     ssd_tokens, ssd_seconds = run(ssd, prompts, params, args.batch)
     m_sd, m_ssd = sd.metrics(), ssd.metrics()
@@ -155,11 +173,15 @@ def main(argv=None):
     t_sd = sd_draft / sd_verify  # the SD rounds' drafting time in their verify units
     p_hit = m_ssd.get(names.SSD_HIT_RATE_WARM) or 0.0
     predicted = ssd_speedup(p_hit, e(a_ssd), e(a_ssd), t_p, t_sd) / sd_speedup(e(a_sd), t_sd)
+    # Theorem 7 counts both in one verify unit; here SD verifies on every core, SSD on one beside the
+    # worker: the ratio of the two verify times converts SSD's speedup into SD's unit
+    sd_verify_round = sd_verify / max(len(sd_rounds), 1)
+    narrow = sd_verify_round / verify_unit if verify_unit else float("nan")
     summary = {
         "SD tok/s": sd_tokens / sd_seconds, "SSD tok/s": ssd_tokens / ssd_seconds,
         "SSD/SD measured": (ssd_tokens / ssd_seconds) / (sd_tokens / sd_seconds),
         "SSD/SD predicted (Theorem 7)": predicted, "SD accept": a_sd, "SSD accept": a_ssd, "hit (warm)": p_hit,
-        "T_SD": t_sd, "T_p": t_p,
+        "T_SD": t_sd, "T_p": t_p, "SD verify ms": 1000 * sd_verify_round, "SSD verify ms": 1000 * verify_unit,
     }
     by_path = []
     for path in ("hit", "draft"):
@@ -168,7 +190,7 @@ def main(argv=None):
             k = len(rs)
             by_path.append({"path": path, "rounds": k, "tokens/round": sum(r["emitted"] for r in rs) / k,
                             "wait ms": 1000 * sum(r["wait"] for r in rs) / k,
-                            "worker drafting ms": 1000 * sum(r["drafting"] for r in rs) / k,
+                            "miss drafting ms": 1000 * sum(r["drafting"] for r in rs) / k,
                             "verify ms": 1000 * sum(r["verify"] for r in rs) / k,
                             "round ms": 1000 * sum(r["seconds"] for r in rs) / k})
     print()
@@ -180,6 +202,7 @@ def main(argv=None):
         summary["SSD/SD predicted, measured T_b, T_o"] = ssd_speedup(
             p_hit, paths["hit"]["tokens/round"], paths["draft"]["tokens/round"], t_p, t_b, t_o) / sd_speedup(e(a_sd), t_sd)
         summary["T_b (miss wait)"], summary["T_o"] = t_b, t_o
+        summary["... x SD verify / SSD verify"] = summary["SSD/SD predicted, measured T_b, T_o"] * narrow
     print()
     print_table([summary], floatfmt=".3f")
     print_json_line({"bench": "profile_ssd_round", "machine": machine_note(), "args": vars(args),

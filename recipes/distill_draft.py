@@ -55,6 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--eval-init", action="store_true", help="also measure the untrained draft's acceptance")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--max-checkpoint-bytes", type=int, default=None,
+                   help="size limit of the saved draft (default: the package's, for a draft that ships in it; "
+                        "0: none, for a candidate measured from outside the package)")
     return p.parse_args(argv)
 
 
@@ -108,7 +111,7 @@ def main(argv=None) -> int:
     target = load_pretrained(args.target, dtype="float32")
     model = target.model
     if not args.data_only:  # a draft that could not be saved is refused before any data or training
-        log.info("checkpoint: at most %d bytes (limit %d)", check_size_first(args, model), checkpoint.MAX_CHECKPOINT_BYTES)
+        log.info("checkpoint: at most %d bytes (limit %s)", check_size_first(args, model), size_limit(args))
     split = prompts.build_prompts(args.num_prompts, args.heldout_prompts, args.seed)
     train_ids = prompts.chat_prompt_ids(target.tokenizer, split.train)
     heldout_ids = prompts.chat_prompt_ids(target.tokenizer, split.heldout)
@@ -151,7 +154,8 @@ def main(argv=None) -> int:
     provenance = (command, args, split, data_tokens, len(samples), data_s, head, build.coverage(head, samples), config,
                   stats, greedy, t1, cost)
     try:
-        size = checkpoint.save_draft(draft, build.draft_hf_config(target.hf_config, draft.cfg.num_layers, len(head)), out)
+        size = checkpoint.save_draft(draft, build.draft_hf_config(target.hf_config, draft.cfg.num_layers, len(head)), out,
+                                     max_bytes=size_limit(args))
     except checkpoint.CheckpointTooLarge as err:
         if err.kept_at is not None:
             write_provenance(err.kept_at / "PROVENANCE.md", *provenance, (err.kept_at / "model.safetensors").stat().st_size,
@@ -161,6 +165,15 @@ def main(argv=None) -> int:
     write_provenance(out / "PROVENANCE.md", *provenance, size, results)
     log.info("wrote %s (%d bytes)", out, size)
     return 0
+
+
+def size_limit(args):
+    """The checkpoint's size limit in bytes (None: no limit)."""
+    from rollout_ssd.draft.checkpoint import MAX_CHECKPOINT_BYTES
+
+    if args.max_checkpoint_bytes is None:
+        return MAX_CHECKPOINT_BYTES
+    return args.max_checkpoint_bytes or None
 
 
 def check_size_first(args, model) -> int:
@@ -177,7 +190,7 @@ def check_size_first(args, model) -> int:
         cfg = model_config_from_hf(AutoConfig.from_pretrained(args.init_from, local_files_only=True))
     else:
         cfg = draft_config(model.cfg, args.layers, args.head_size)
-    return check_checkpoint_size(cfg)
+    return check_checkpoint_size(cfg, max_bytes=size_limit(args))
 
 
 def write_provenance(path, command, args, split, data_tokens, num_samples, data_s, head, cov, config, stats,

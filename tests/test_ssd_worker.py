@@ -228,3 +228,83 @@ def test_sd_rounds_beside_a_worker_are_the_sd_engines_rounds_at_temperature(pair
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert [r.logprobs for r in got] == [r.logprobs for r in want]
     engine.close()
+
+
+def _count_here(engine) -> list:
+    """Per SSD round with a miss: (rows drafted in the target's process, rows the worker drafted)."""
+    from rollout_ssd.ssd.messages import DRAFTED
+
+    ssd, seen = engine.strategy, []
+    propose = ssd._propose
+
+    def recording(*a):
+        rnd = propose(*a)
+        if "draft" in rnd.paths and not rnd.cold:
+            seen.append((rnd.drafted_here[0] if rnd.drafted_here else 0,
+                         sum(row.status == DRAFTED for row in rnd.reply.rows)))
+        return rnd
+
+    ssd._propose = recording
+    return seen
+
+
+def test_ssd_misses_beside_a_worker_are_drafted_by_the_sd_speculator_at_temperature(pair):
+    """Beside a worker holding a core, an SSD round's misses are drafted in the target's process by the
+    SD engine's speculator on every core (the worker only builds the next cache from them). With no
+    cache built, every round is a miss: the tokens and logprobs are then exactly the SD engine's at
+    T > 0 with the same seeds (an exact check of that path's law)."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPU cores (misses are drafted here beside a pinned worker)")
+    from rollout_ssd import EngineConfig, RolloutEngine, SpecConfig
+
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=12, n=2, seed=11, ignore_eos=True)
+    sd = RolloutEngine(pair[0], SpecConfig(method="sd", k=3), EngineConfig(max_batch_size=3, max_model_len=128),
+                       draft=pair[1])
+    want = sd.sample(PROMPTS, params)
+    sd.close()
+    engine = ssd_engine(*pair, batch=3, k=3, fanout=(1, 1, 1, 2), worker=True)
+    build = engine.strategy.draft.build
+    engine.strategy.draft.build = lambda running, chains, ks, _build, fanout: build(running, chains, ks, False, fanout)
+    seen = _count_here(engine)
+    got = engine.sample(PROMPTS, params)
+    m = engine.metrics()
+    assert m["ssd/strategy_rounds"].keys() == {"ssd+neural"} and m["ssd/hits"] == 0
+    assert seen and all(here > 0 and worker == 0 for here, worker in seen)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert [r.logprobs for r in got] == [r.logprobs for r in want]
+    engine.close()
+    assert _children() == []
+
+
+def test_saguaro_keeps_the_misses_in_the_worker(pair, ar_out):
+    """With Saguaro on (C < 1) the worker drafts the misses itself (its chains bend towards the next
+    cache; the SD speculator's do not); greedy stays AR's with hits and misses both present."""
+    engine = ssd_engine(*pair, batch=3, k=3, fanout=(1, 1, 1, 2), worker=True, C=0.5)
+    seen = _count_here(engine)
+    assert [r.token_ids for r in engine.sample(PROMPTS, GREEDY)] == ar_out
+    assert seen and all(here == 0 and worker > 0 for here, worker in seen)
+    assert engine.strategy.sd is None and engine.metrics()["ssd/hits"] > 0
+    engine.close()
+
+
+def test_beside_a_worker_the_target_prefills_on_every_core_and_the_rule_starts_with_sd(pair, ar_out):
+    """On a CPU split with the worker: the target's prefill runs on every core and the worker is told of
+    the new sequences after it (overlapped, the larger prefill would get one core); with the strategy
+    rule on, the first rounds are SD's (an SSD round would verify on one core) and greedy stays AR's."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPU cores")
+    import torch
+
+    wide = (os.sched_getaffinity(0), torch.get_num_threads())
+    engine = ssd_engine(*pair, batch=3, k=3, worker=True, strategy_rule=True)
+    ssd, events = engine.strategy, []
+    prefill, admit = ssd.runner.prefill, ssd.draft.admit
+    ssd.runner.prefill = lambda *a, **kw: (events.append(("prefill", os.sched_getaffinity(0),
+                                                          torch.get_num_threads())), prefill(*a, **kw))[1]
+    ssd.draft.admit = lambda seqs: (events.append(("admit",)), admit(seqs))[1]
+    ssd.trace = []
+    assert [r.token_ids for r in engine.sample(PROMPTS, GREEDY)] == ar_out
+    assert events[0] == ("prefill", *wide) and events[1] == ("admit",)
+    assert all(e[1:] == wide for e in events if e[0] == "prefill")
+    assert ssd.trace[0]["strategy"] == "sd"
+    engine.close()

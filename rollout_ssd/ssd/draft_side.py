@@ -85,6 +85,7 @@ class Chains:
     backup_seconds: float = 0.0
     wait_seconds: float = 0.0  # the target's wait for the draft side's chains, request to validated reply
     whole_q: Optional[DraftDistribution] = None  # one law for the whole batch (an SD round in process)
+    drafted_here: Optional[tuple[int, float]] = None  # (rows, seconds) of misses drafted in the target's process
 
     @classmethod
     def empty(cls, first: list[bool]) -> "Chains":

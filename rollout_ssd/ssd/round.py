@@ -4,7 +4,8 @@ Round n for a batch, target side (`SSDDecode.step`, one call each):
   1. tell the draft side each sequence's verdict of round n-1 (k, t*) and get the chain for round n:
      HIT (pre-drafted in the speculation cache), DRAFTED (the draft model on demand: the "neural"
      backup, and every sequence's first, cold round) or MISS (a fast backup speculator, suffix or
-     random, covers it);
+     random, covers it; beside a worker process on a CPU the neural backup too: SD's own speculator
+     drafts the chain in this process, on every core, `_drafts_misses_here`);
   2. send the chains to the draft side, which builds the next cache from them (glue forward + branch
      tree, ssd/tree.py); in the worker process this runs WHILE the target does step 3;
   3. verify: one target forward over [last token, chain] per sequence and `verify` with the exact q
@@ -67,6 +68,8 @@ class SSDDecode(DecodeStrategy):
         self.telemetry = RoundTelemetry(estimates, self.planner, stats, None if backup is None else backup.name)
         self.draft = DraftSide(draft_model, runner.model.hf_parameters(), config, stats,
                                runner.cache.num_slots, max_model_len or runner.max_len)
+        if self.draft.cores is not None:  # SSD would verify on one core: the first rounds are SD's
+            self.chooser.start_plain()
         # SD rounds while a worker process holds a CPU core: the SD engine's own speculator, in this
         # process on every core (the worker would draft on its one core, over the whole vocabulary);
         # made when SD is first chosen, then told of every sequence
@@ -81,7 +84,7 @@ class SSDDecode(DecodeStrategy):
         ks = chain_lengths(running, self.k)
         sd, cores = self._share(plan)  # SD in this process; the target's CPU share beside a worker
         # 1. the last verdicts out, this round's chains in (the cache, the draft on demand, a fast backup)
-        rnd = self._propose_sd(running, ks) if sd else self._propose(running, ks, plan, fanout)
+        rnd = self._propose_sd(running, ks) if sd else self._propose(running, ks, plan, fanout, cores)
         calibration = self.chooser.calibrate(self.runner, running, rnd.cold, cores) if plan is not Plan.AR else 0.0
         # 2. the chains to the draft side, which builds the next cache from them (a worker: during step 3)
         told = rnd.reply is not None and self.draft.build(running, rnd.chains, ks, plan.is_ssd, fanout.fanout)
@@ -94,7 +97,7 @@ class SSDDecode(DecodeStrategy):
         # 4. append, roll back; the verdicts go out in the next round's step 1
         outcome = finish_round(self.runner, running, result)
         self.draft.remember(running, rnd.chains, told, outcome)  # untold, it catches up (SYNC) when next asked
-        if sd:
+        if self.sd is not None:  # it drafted this round (SD, or an SSD round's misses) or keeps its KV as is
             self.sd.on_verified(running, outcome.accepted)
         if self.backup is not None:
             self.backup.on_verified(running, outcome.accepted)
@@ -115,15 +118,29 @@ class SSDDecode(DecodeStrategy):
             return False, None
         if plan.is_ssd:
             cores.narrow()
+            if self._drafts_misses_here(plan):
+                self._speculator()
             return False, cores
         cores.widen()
         if plan is not Plan.SD:
             return False, cores
+        self._speculator()
+        return True, cores
+
+    def _drafts_misses_here(self, plan: Plan) -> bool:
+        """Whether this SSD round's misses are drafted in this process by the SD speculator, on every
+        core, rather than by the worker on its one core while the target waits idle: beside a worker
+        process (a CPU) with Saguaro off (the worker's on-demand chains bend towards the next cache,
+        the speculator's do not). The worker still builds the next cache from the chains it is sent."""
+        return plan is Plan.SSD_DRAFT and self.draft.cores is not None and self.config.saguaro_c == 1.0
+
+    def _speculator(self) -> DraftModelSpeculator:
+        """The SD engine's speculator in this process, made when first needed, then told of every sequence."""
         if self.sd is None:
             self.sd = DraftModelSpeculator(self.draft.draft_model, self.draft.num_slots, self.draft.max_model_len,
                                            stop_prob=self.config.stop_prob)
             self.sd.on_admit(list(self.draft.live.values()))
-        return True, cores
+        return self.sd
 
     def _propose_sd(self, running: list[Sequence], ks: list[int]) -> Chains:
         """An SD round's chains from the in-process speculator, verified against its batch law."""
@@ -135,14 +152,20 @@ class SSDDecode(DecodeStrategy):
         rnd.paths = ["draft" if c else "none" for c in rnd.chains]
         return rnd
 
-    def _propose(self, running: list[Sequence], ks: list[int], plan: Plan, fanout: FanoutPlan) -> Chains:
-        """Chains from the draft side where the plan asks it, then the fast backup where it gave none."""
+    def _propose(self, running: list[Sequence], ks: list[int], plan: Plan, fanout: FanoutPlan,
+                 cores: Optional[TargetCores] = None) -> Chains:
+        """Chains from the draft side where the plan asks it (its misses drafted here when
+        `_drafts_misses_here`), then the fast backup where it gave none."""
         first = [self.draft.is_first_round(s) for s in running]
         rnd = Chains.empty(first)
         need_backup = list(range(len(running))) if plan is Plan.SUFFIX else []
+        here = self._drafts_misses_here(plan)
         if plan.asks_draft_side and self.draft.client is not None:
-            if self.draft.request_chains(running, ks, plan.drafts_on_miss, fanout.fanout, rnd):
+            if self.draft.request_chains(running, ks, plan.drafts_on_miss and not here, fanout.fanout, rnd):
                 need_backup = self.draft.missed(rnd, ks)
+                if here and need_backup:
+                    self._draft_here(running, ks, need_backup, rnd, cores)
+                    need_backup = []
             else:  # the draft side failed: nothing it sent is used, every row verifies an empty chain
                 rnd, need_backup = Chains.empty(first), []
         if need_backup and self.backup is not None and plan.uses_backup:
@@ -154,6 +177,23 @@ class SSDDecode(DecodeStrategy):
                 rnd.q[i] = _row_of(prop.q, j)
                 rnd.paths[i] = self.backup.name if rnd.chains[i] else "none"
         return rnd
+
+    def _draft_here(self, running: list[Sequence], ks: list[int], rows: list[int], rnd: Chains,
+                    cores: Optional[TargetCores]) -> None:
+        """The missed rows' chains from the SD speculator in this process, on every core (the worker
+        waits for them to build the next cache), each verified against its own q."""
+        if cores is not None:
+            cores.widen()
+        t0 = time.perf_counter()
+        prop = self.sd.propose([running[i] for i in rows], [ks[i] for i in rows])
+        rnd.drafted_here = (len(rows), time.perf_counter() - t0)
+        if cores is not None:
+            cores.narrow()
+        rnd.wait_seconds += rnd.drafted_here[1]
+        for j, i in enumerate(rows):
+            rnd.chains[i] = list(prop.tokens[j])
+            rnd.q[i] = _row_of(prop.q, j)
+            rnd.paths[i] = "draft" if rnd.chains[i] else "none"
 
     def _verify(self, running: list[Sequence], rnd: Chains, plan: Plan) -> VerifyResult:
         """An AR round is the AR engine's decode step; otherwise each chain against its own q."""
@@ -175,10 +215,13 @@ class SSDDecode(DecodeStrategy):
 
     # ------------------------------------------------------------------ lifecycle
     def before_prefill(self, seqs: list[Sequence]) -> None:
-        """Admit to the draft side before the target prefills, so the worker's prefill overlaps the
-        target's (an engine hook; without it `on_admit` does the same after the target's prefill)."""
-        if self.draft.cores is not None:  # the worker prefills its draft beside the target's prefill
-            self.draft.cores.narrow()
+        """Admit to the draft side before the target prefills, so the draft's prefill overlaps the
+        target's (an engine hook; without it `on_admit` does the same after the target's prefill).
+        Beside a worker process on a CPU the target prefills first, on every core, and the worker after
+        it (`on_admit`): overlapped, the target's prefill, far the larger, would get one core."""
+        if self.draft.cores is not None:
+            self.draft.cores.widen()
+            return
         self.on_admit(seqs)
 
     def on_admit(self, seqs: list[Sequence]) -> None:

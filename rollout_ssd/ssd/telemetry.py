@@ -106,6 +106,8 @@ class RoundTelemetry:
                 timed("draft" if plan.is_ssd else "plain_draft", rnd.wait_seconds, b)
                 if plan.is_ssd and reply.backup_seconds > 0:  # the worker's own drafting: SD's prior
                     timed("drafting", reply.backup_seconds, b)
+                if rnd.drafted_here is not None:  # the SD speculator on every core: SD's drafting itself
+                    timed("plain_draft", rnd.drafted_here[1], rnd.drafted_here[0])
                 state["T_b"] = rnd.wait_seconds / verify_seconds
             elif asked and all(rnd.paths[i] == "hit" for i in asked):
                 excess = max(0.0, reply.build_seconds - (self._prev_verify or 0.0))  # counted in T_p
