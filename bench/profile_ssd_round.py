@@ -205,10 +205,11 @@ def main(argv=None):
         summary["... x SD verify / SSD verify"] = summary["SSD/SD predicted, measured T_b, T_o"] * narrow
     print()
     print_table([summary], floatfmt=".3f")
-    print_json_line({"bench": "profile_ssd_round", "machine": machine_note(), "args": vars(args),
-                     "parts_ms": {k: 1000 * v for k, v in parts.items()}, "mean": mean, "by_path": by_path,
-                     "summary": summary,
-                     "rounds_timed": len(warm)})
+    result = {"bench": "profile_ssd_round", "machine": machine_note(), "args": vars(args),
+              "parts_ms": {k: 1000 * v for k, v in parts.items()}, "mean": mean, "by_path": by_path,
+              "summary": summary, "rounds_timed": len(warm), "draft_layers": draft.model.cfg.num_layers}
+    print_json_line(result)
+    return result
 
 
 if __name__ == "__main__":

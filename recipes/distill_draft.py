@@ -138,7 +138,8 @@ def main(argv=None) -> int:
         results["init_greedy"] = acceptance.measure_acceptance(model, draft, heldout_ids, 0.0, args.eval_max_new_tokens)
         log.info("untrained draft: %s", results["init_greedy"])
     config = train.DistillConfig(lr=args.lr, batch_tokens=args.batch_tokens, minutes=args.minutes,
-                                 max_steps=args.max_steps, weight_decay=args.weight_decay, seed=args.seed)
+                                 max_steps=args.max_steps, weight_decay=args.weight_decay, seed=args.seed,
+                                 max_checkpoint_bytes=size_limit(args))
     stats = train.train_draft(draft, samples, config, on_log=lambda d: log.info("train %s", d))
     log.info("trained: %s", stats)
     build.round_weights(draft, torch.bfloat16)

@@ -199,3 +199,14 @@ def test_data_cache_round_trips_without_unpickling(tmp_path):
     torch.save({"something": 1}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match="teacher-samples-v1"):
         load_samples(tmp_path / "other.pt")
+
+
+def test_recipe_size_limit_defaults_to_the_packages_and_can_be_lifted():
+    """recipes/distill_draft: the package's limit unless told (a candidate draft measured from outside
+    the package may be larger: 0 lifts it, for the up-front check, the training check and the save)."""
+    from recipes.distill_draft import parse_args, size_limit
+
+    base = ["--out", "x"]
+    assert size_limit(parse_args(base)) == checkpoint.MAX_CHECKPOINT_BYTES
+    assert size_limit(parse_args(base + ["--max-checkpoint-bytes", "0"])) is None
+    assert size_limit(parse_args(base + ["--max-checkpoint-bytes", "1234"])) == 1234

@@ -207,20 +207,26 @@ def test_target_takes_the_workers_core_in_rounds_that_leave_it_idle(pair, ar_out
     assert (os.sched_getaffinity(0), torch.get_num_threads()) == wide
 
 
+def _sd_engine_outputs(pair, params):
+    """The SD engine's outputs (K = 3, batch 3) for PROMPTS: what the SSD engine's in-process paths match."""
+    from rollout_ssd import EngineConfig, RolloutEngine, SpecConfig
+
+    sd = RolloutEngine(pair[0], SpecConfig(method="sd", k=3), EngineConfig(max_batch_size=3, max_model_len=128),
+                       draft=pair[1])
+    with sd:
+        return sd.sample(PROMPTS, params)
+
+
 def test_sd_rounds_beside_a_worker_are_the_sd_engines_rounds_at_temperature(pair):
     """With a worker holding a core, the SSD engine's SD rounds run the SD engine's own speculator in
     process: with the same seeds they give exactly the SD engine's tokens and logprobs at T > 0 (an exact
     check of the path's law: same draft law, same streams, same verification)."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two CPU cores (the in-process SD rounds exist beside a pinned worker)")
-    from rollout_ssd import EngineConfig, RolloutEngine, SpecConfig
     from rollout_ssd.ssd.chooser import Plan
 
     params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=12, n=2, seed=7, ignore_eos=True)
-    sd = RolloutEngine(pair[0], SpecConfig(method="sd", k=3), EngineConfig(max_batch_size=3, max_model_len=128),
-                       draft=pair[1])
-    want = sd.sample(PROMPTS, params)
-    sd.close()
+    want = _sd_engine_outputs(pair, params)
     engine = ssd_engine(*pair, batch=3, k=3, worker=True)
     engine.strategy.chooser.choose = lambda batch, fallback=None: Plan.SD
     got = engine.sample(PROMPTS, params)
@@ -255,13 +261,8 @@ def test_ssd_misses_beside_a_worker_are_drafted_by_the_sd_speculator_at_temperat
     T > 0 with the same seeds (an exact check of that path's law)."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two CPU cores (misses are drafted here beside a pinned worker)")
-    from rollout_ssd import EngineConfig, RolloutEngine, SpecConfig
-
     params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=12, n=2, seed=11, ignore_eos=True)
-    sd = RolloutEngine(pair[0], SpecConfig(method="sd", k=3), EngineConfig(max_batch_size=3, max_model_len=128),
-                       draft=pair[1])
-    want = sd.sample(PROMPTS, params)
-    sd.close()
+    want = _sd_engine_outputs(pair, params)
     engine = ssd_engine(*pair, batch=3, k=3, fanout=(1, 1, 1, 2), worker=True)
     build = engine.strategy.draft.build
     engine.strategy.draft.build = lambda running, chains, ks, _build, fanout: build(running, chains, ks, False, fanout)

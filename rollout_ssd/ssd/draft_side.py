@@ -236,6 +236,9 @@ class DraftSide:
             return False
 
     # ------------------------------------------------------------------ lifecycle
+    def admitted(self, seq: Sequence) -> bool:
+        return id(seq) in self.tracks
+
     def admit(self, seqs: list[Sequence]) -> list[Sequence]:
         """Admit the sequences not yet admitted (restarting a failed worker first, while restarts are
         left); returns them."""

@@ -225,9 +225,10 @@ class SSDDecode(DecodeStrategy):
         self.on_admit(seqs)
 
     def on_admit(self, seqs: list[Sequence]) -> None:
-        new = self.draft.admit(seqs)
-        if new and self.sd is not None:
+        new = [s for s in seqs if not self.draft.admitted(s)]
+        if new and self.sd is not None:  # first: the worker's prefill (next) would share its core with this one
             self.sd.on_admit(new)
+        self.draft.admit(new)
         if new and self.backup is not None:
             self.backup.on_admit(new)
 
