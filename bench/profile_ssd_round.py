@@ -1,8 +1,8 @@
 """Where one SSD round's time goes, against an SD round on the same prompts (issue 15, part 3).
 
 SSD (rule off: every round SSD with the draft backup, the draft worker on its own core) and SD, one
-thread per process, prompts one at a time (`--batch 1`) or together, greedy or T=1, dtype auto. Per
-timed SSD round (first rounds left out) it splits the target's time into
+thread per process, prompts one at a time (`--batch 1`) or together, greedy or T=1, dtype auto, the two
+taking turns call by call. Per timed SSD round (first rounds left out) it splits the target's time into
   - wait: request to validated reply (the verdicts out, the chains and their q in), and a miss's
     drafting (by SD's speculator in the target's process, on both cores; the worker's with Saguaro on);
   - forward: the verify's target forward, while the worker builds the next cache beside it;
@@ -119,10 +119,20 @@ def count_rounds(engine) -> list[int]:
 
 
 def run(engine, prompts, params, batch):
+    return run_interleaved([engine], prompts, params, batch)[0]
+
+
+def run_interleaved(engines, prompts, params, batch) -> list[tuple[int, float]]:
+    """(tokens, seconds) per engine, the engines taking turns call by call (the machine's drift over the
+    run then reaches each alike)."""
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
-    t0 = time.perf_counter()
-    tokens = sum(len(r.token_ids) for g in groups for r in engine.sample(g, params))
-    return tokens, time.perf_counter() - t0
+    totals = [[0, 0.0] for _ in engines]
+    for g in groups:
+        for total, engine in zip(totals, engines):
+            t0 = time.perf_counter()
+            total[0] += sum(len(r.token_ids) for r in engine.sample(g, params))
+            total[1] += time.perf_counter() - t0
+    return [tuple(t) for t in totals]
 
 
 def main(argv=None):
@@ -144,8 +154,7 @@ def main(argv=None):
         engine.metrics(reset=True)
     probe.rounds.clear()
     sd_rounds.clear()
-    sd_tokens, sd_seconds = run(sd, prompts, params, args.batch)
-    ssd_tokens, ssd_seconds = run(ssd, prompts, params, args.batch)
+    (sd_tokens, sd_seconds), (ssd_tokens, ssd_seconds) = run_interleaved([sd, ssd], prompts, params, args.batch)
     m_sd, m_ssd = sd.metrics(), ssd.metrics()
     sd.close()
     ssd.close()

@@ -681,37 +681,3 @@ def test_budget_capped_until_the_rule_has_chosen_at_a_batch_size():
     planner = FanoutPlanner(FanoutConfig(k=3, initial_budget=8))
     assert planner.plan().budget == 8 and planner.plan(cap=2).budget == 2 and planner.plan(cap=0).budget == 1
 
-
-def test_ssd_verify_priced_from_plain_speculation_until_an_ssd_round_measures_it():
-    """Before any SSD round, SSD's verify is SD's, scaled up by the AR step's one-core / all-cores
-    ratio (never down); the times priced in verify units follow it; a measured verify is taken as is."""
-    est = LiveEstimates(EstimatesConfig(k=3))
-    with pytest.raises(ValueError, match="verify"):
-        est.inputs(4)
-    est.observe_time("plain_verify", 0.02, 4)
-    assert est.inputs(4).verify_seconds == pytest.approx(0.02)  # no split measured: as it is
-    est.observe_time("decode", 0.01, 4)
-    est.observe_time("decode_narrow", 0.016, 4)
-    inp = est.inputs(4)
-    assert inp.verify_seconds == pytest.approx(0.032) and inp.plain_verify_seconds == pytest.approx(0.02)
-    assert inp.primary_seconds == pytest.approx(0.9 * 0.032)  # priors in verify units: the narrow verify
-    assert inp.draft_seconds["draft"] == pytest.approx(0.5 * 0.032)
-    est2 = LiveEstimates(EstimatesConfig(k=3))
-    est2.observe_time("plain_verify", 0.02, 4)
-    est2.observe_time("decode", 0.02, 4)
-    est2.observe_time("decode_narrow", 0.01, 4)  # a narrow step measured faster: noise, not scaled down
-    assert est2.inputs(4).verify_seconds == pytest.approx(0.02)
-    est.observe_time("verify", 0.03, 4)
-    assert est.inputs(4).verify_seconds == pytest.approx(0.03)
-
-
-@pytest.mark.parametrize("rule,backup,first", [(True, None, "sd"), (False, None, "ssd+neural"),
-                                               (True, "suffix", "ssd+suffix")])
-def test_chooser_starts_plain_only_with_the_rule_on_and_the_draft_as_backup(rule, backup, first):
-    from rollout_ssd.metrics import EngineMetrics
-    from rollout_ssd.ssd.chooser import Chooser
-
-    config = SSDConfig(k=3, worker=False, strategy_rule=rule)
-    chooser = Chooser(config, LiveEstimates(EstimatesConfig(k=3)), EngineMetrics(), backup=backup)
-    chooser.start_plain()
-    assert chooser.choose(1).label == first and chooser.current.label == first

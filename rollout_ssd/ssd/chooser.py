@@ -145,15 +145,6 @@ class Chooser:
                                  scores=dict(scores), p_hit_estimate=inputs.p_hit, **timing)
         return chosen
 
-    def start_plain(self) -> None:
-        """Begin with plain SD instead of SSD (with the draft model as backup and the rule on). Beside a
-        worker process on a CPU an SSD round verifies on the target's own core alone, so exploring SSD
-        first costs more than SD's rounds on every core; those rounds and the AR calibrations price SSD
-        (its verify: SD's, scaled by the AR step's one-core/all-cores ratio), and SSD runs once the rule
-        scores it higher."""
-        if self.rule.config.fixed is None and self.default is Plan.SSD_DRAFT:
-            self.default = self.current = Plan.SD
-
     def budget_cap(self, batch: int) -> Optional[int]:
         """A bound on the fan-out budget per sequence while the rule has not chosen at this batch size:
         the first rounds run SSD to measure it, and a full tree over a large batch costs several verifies

@@ -237,19 +237,10 @@ class LiveEstimates:
         t = self._times[name].value(batch)
         if t is not None:
             return t
-        verify = self._unmeasured_verify(batch) if name == "verify" else self.seconds("verify", batch)
-        if name == "verify":
-            return verify
+        verify = None if name == "verify" else self._times["verify"].value(batch)
+        if verify is None:
+            raise ValueError(f"no measurement of {name!r} nor of the verify time yet")
         return self.config.prior_time_units[name] * verify
-
-    def _unmeasured_verify(self, batch: int) -> float:
-        """SSD's verify before an SSD round measured it: plain speculation's, scaled by decode_narrow /
-        decode where a worker's core split made them differ (the reverse of `_plain_seconds`)."""
-        plain = self._times["plain_verify"].value(batch)
-        if plain is None:
-            raise ValueError("no measurement of the verify time yet")
-        wide, narrow = self._times["decode"].value(batch), self._times["decode_narrow"].value(batch)
-        return plain * max(1.0, narrow / wide) if wide and narrow is not None else plain
 
     def _plain_seconds(self, name: str, batch: int) -> float:
         t = self._times[name].value(batch)

@@ -68,8 +68,6 @@ class SSDDecode(DecodeStrategy):
         self.telemetry = RoundTelemetry(estimates, self.planner, stats, None if backup is None else backup.name)
         self.draft = DraftSide(draft_model, runner.model.hf_parameters(), config, stats,
                                runner.cache.num_slots, max_model_len or runner.max_len)
-        if self.draft.cores is not None:  # SSD would verify on one core: the first rounds are SD's
-            self.chooser.start_plain()
         # SD rounds while a worker process holds a CPU core: the SD engine's own speculator, in this
         # process on every core (the worker would draft on its one core, over the whole vocabulary);
         # made when SD is first chosen, then told of every sequence
