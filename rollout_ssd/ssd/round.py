@@ -68,10 +68,13 @@ class SSDDecode(DecodeStrategy):
         self.telemetry = RoundTelemetry(estimates, self.planner, stats, None if backup is None else backup.name)
         self.draft = DraftSide(draft_model, runner.model.hf_parameters(), config, stats,
                                runner.cache.num_slots, max_model_len or runner.max_len)
-        # SD rounds while a worker process holds a CPU core: the SD engine's own speculator, in this
-        # process on every core (the worker would draft on its one core, over the whole vocabulary);
-        # made when SD is first chosen, then told of every sequence
+        # SD rounds (and, Saguaro off, SSD's misses) while a worker process holds a CPU core: the SD
+        # engine's own speculator, in this process on every core (the worker would draft on its one
+        # core). Told of every sequence; made now where it drafts misses, so that it prefills new
+        # sequences on every core at admission (on_admit), not narrowed inside a round
         self.sd: Optional[DraftModelSpeculator] = None
+        if self.draft.cores is not None and config.saguaro_c == 1.0:
+            self._speculator()
 
     # ------------------------------------------------------------------ one round
     def step(self, running: list[Sequence]) -> int:
@@ -137,7 +140,9 @@ class SSDDecode(DecodeStrategy):
         if self.sd is None:
             self.sd = DraftModelSpeculator(self.draft.draft_model, self.draft.num_slots, self.draft.max_model_len,
                                            stop_prob=self.config.stop_prob)
-            self.sd.on_admit(list(self.draft.live.values()))
+            live = list(self.draft.live.values())
+            if live:
+                self.sd.on_admit(live)
         return self.sd
 
     def _propose_sd(self, running: list[Sequence], ks: list[int]) -> Chains:
