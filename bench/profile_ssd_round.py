@@ -47,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="auto")
     p.add_argument("--prompt-set", default="templates", choices=("templates", "unseen"))
     p.add_argument("--draft", default="default", help="a draft checkpoint directory (default: the built-in)")
+    p.add_argument("--ssd-stop-prob", type=float, default=None,
+                   help="the SSD engine's stop_prob (its misses' and SD rounds' early stop); default: SD's")
     p.add_argument("--quick", action="store_true", help="2 prompts, 16 tokens")
     args = p.parse_args(argv)
     if args.quick:
@@ -145,7 +147,8 @@ def main(argv=None):
     cfg = EngineConfig(max_batch_size=args.batch, max_model_len=max(map(len, prompts)) + args.new_tokens + 8)
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
     sd = RolloutEngine(target, SpecConfig(method="sd", k=args.k), cfg, draft=draft)
-    ssd = RolloutEngine(target, SpecConfig(method="ssd", k=args.k, strategy_rule=False), cfg, draft=draft)
+    stop = {} if args.ssd_stop_prob is None else {"stop_prob": args.ssd_stop_prob}
+    ssd = RolloutEngine(target, SpecConfig(method="ssd", k=args.k, strategy_rule=False, **stop), cfg, draft=draft)
     probe = RoundProbe(ssd)
     probe.hook_round_end()
     sd_rounds = count_rounds(sd)
