@@ -12,13 +12,11 @@ sit in the CPU's caches, so only the head (57 MB) reads memory as a decode step 
 
 from __future__ import annotations
 
-import statistics
 import threading
-import time
 
 import torch
 import torch.nn.functional as F
-from common import add_repo_to_path, machine_note, print_json_line, print_table
+from common import add_repo_to_path, machine_note, median, print_json_line, print_table, time_call
 
 add_repo_to_path()
 
@@ -30,12 +28,7 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
 def median_us(fn, repeats: int = 200) -> float:
     for _ in range(10):
         fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+    return median(time_call(fn, repeats)) * 1e6
 
 
 class SecondThread:
