@@ -73,7 +73,7 @@ class SSDDecode(DecodeStrategy):
         # core). Told of every sequence; made now where it drafts misses, so that it prefills new
         # sequences on every core at admission (on_admit), not narrowed inside a round
         self.sd: Optional[DraftModelSpeculator] = None
-        if self.draft.cores is not None and config.saguaro_c == 1.0:
+        if self._drafts_misses_here(Plan.SSD_DRAFT):
             self._speculator()
 
     # ------------------------------------------------------------------ one round
@@ -119,8 +119,6 @@ class SSDDecode(DecodeStrategy):
             return False, None
         if plan.is_ssd:
             cores.narrow()
-            if self._drafts_misses_here(plan):
-                self._speculator()
             return False, cores
         cores.widen()
         if plan is not Plan.SD:
@@ -172,13 +170,7 @@ class SSDDecode(DecodeStrategy):
             else:  # the draft side failed: nothing it sent is used, every row verifies an empty chain
                 rnd, need_backup = Chains.empty(first), []
         if need_backup and self.backup is not None and plan.uses_backup:
-            t0 = time.perf_counter()
-            prop = self.backup.propose([running[i] for i in need_backup], [ks[i] for i in need_backup])
-            rnd.backup_seconds = time.perf_counter() - t0
-            for j, i in enumerate(need_backup):
-                rnd.chains[i] = list(prop.tokens[j])[: ks[i]]
-                rnd.q[i] = _row_of(prop.q, j)
-                rnd.paths[i] = self.backup.name if rnd.chains[i] else "none"
+            rnd.backup_seconds = _fill(rnd, need_backup, running, ks, self.backup, self.backup.name)
         return rnd
 
     def _draft_here(self, running: list[Sequence], ks: list[int], rows: list[int], rnd: Chains,
@@ -187,16 +179,10 @@ class SSDDecode(DecodeStrategy):
         waits for them to build the next cache), each verified against its own q."""
         if cores is not None:
             cores.widen()
-        t0 = time.perf_counter()
-        prop = self.sd.propose([running[i] for i in rows], [ks[i] for i in rows])
-        rnd.drafted_here = (len(rows), time.perf_counter() - t0)
+        rnd.drafted_here = (len(rows), _fill(rnd, rows, running, ks, self._speculator(), "draft"))
         if cores is not None:
             cores.narrow()
         rnd.wait_seconds += rnd.drafted_here[1]
-        for j, i in enumerate(rows):
-            rnd.chains[i] = list(prop.tokens[j])
-            rnd.q[i] = _row_of(prop.q, j)
-            rnd.paths[i] = "draft" if rnd.chains[i] else "none"
 
     def _verify(self, running: list[Sequence], rnd: Chains, plan: Plan) -> VerifyResult:
         """An AR round is the AR engine's decode step; otherwise each chain against its own q."""
@@ -285,6 +271,20 @@ class SSDDecode(DecodeStrategy):
     @trace.setter
     def trace(self, value: Optional[list[dict]]) -> None:
         self.telemetry.trace = value
+
+
+def _fill(rnd: Chains, rows: list[int], running: list[Sequence], ks: list[int], speculator: Speculator,
+          path: str) -> float:
+    """Rows `rows` of the round's chains from `speculator` (each with its own row of the law, labelled
+    `path`, "none" where it proposed nothing); returns the seconds it took to propose."""
+    t0 = time.perf_counter()
+    prop = speculator.propose([running[i] for i in rows], [ks[i] for i in rows])
+    seconds = time.perf_counter() - t0
+    for j, i in enumerate(rows):
+        rnd.chains[i] = list(prop.tokens[j])[: ks[i]]
+        rnd.q[i] = _row_of(prop.q, j)
+        rnd.paths[i] = path if rnd.chains[i] else "none"
+    return seconds
 
 
 def _row_of(dist: DraftDistribution, i: int) -> DraftDistribution:
