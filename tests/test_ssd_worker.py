@@ -271,6 +271,9 @@ def test_ssd_misses_beside_a_worker_are_drafted_by_the_sd_speculator_at_temperat
     m = engine.metrics()
     assert m["ssd/strategy_rounds"].keys() == {"ssd+neural"} and m["ssd/hits"] == 0
     assert seen and all(here > 0 and worker == 0 for here, worker in seen)
+    # each warm round's drafting here is a measurement of SD's own drafting ("plain_draft"), at its rows
+    plain_draft = engine.strategy.telemetry.estimates._times["plain_draft"]
+    assert sum(plain_draft.counts.values()) == len(seen)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert [r.logprobs for r in got] == [r.logprobs for r in want]
     engine.close()
@@ -289,8 +292,9 @@ def test_saguaro_keeps_the_misses_in_the_worker(pair, ar_out):
 
 
 def test_beside_a_worker_the_target_prefills_on_every_core_before_the_worker(pair, ar_out):
-    """On a CPU split with the worker: the target's prefill runs on every core and the worker is told of
-    the new sequences after it (overlapped, the larger prefill would get one core); greedy stays AR's."""
+    """On a CPU split with the worker: the target's prefill runs on every core, then the in-process
+    speculator's (made with the engine: it drafts SSD's misses), and the worker is told of the new
+    sequences after both (overlapped, a prefill here would share its core); greedy stays AR's."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two CPU cores")
     import torch
@@ -302,7 +306,11 @@ def test_beside_a_worker_the_target_prefills_on_every_core_before_the_worker(pai
     ssd.runner.prefill = lambda *a, **kw: (events.append(("prefill", os.sched_getaffinity(0),
                                                           torch.get_num_threads())), prefill(*a, **kw))[1]
     ssd.draft.admit = lambda seqs: (events.append(("admit",)), admit(seqs))[1]
+    assert ssd.sd is not None  # made with the engine
+    sd_prefill = ssd.sd.runner.prefill
+    ssd.sd.runner.prefill = lambda *a, **kw: (events.append(("sd prefill", os.sched_getaffinity(0),
+                                                             torch.get_num_threads())), sd_prefill(*a, **kw))[1]
     assert [r.token_ids for r in engine.sample(PROMPTS, GREEDY)] == ar_out
-    assert events[0] == ("prefill", *wide) and events[1] == ("admit",)
-    assert all(e[1:] == wide for e in events if e[0] == "prefill")
+    assert events[:3] == [("prefill", *wide), ("sd prefill", *wide), ("admit",)]
+    assert all(e[1:] == wide for e in events if e[0] != "admit")
     engine.close()
