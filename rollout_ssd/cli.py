@@ -127,6 +127,9 @@ def _add_generate_parser(sub) -> None:
     p.add_argument("--shard-size", type=int, default=64, help="prompts per shard")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to text prompts")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the target's decode and verify steps (EngineConfig.compile: minutes per shape "
+                        "at the start, then faster steps; for long jobs on a CPU)")
     p.set_defaults(func=generate)
 
 

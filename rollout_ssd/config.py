@@ -110,6 +110,12 @@ class EngineConfig:
     cuda_graphs: decode and verify steps of equal-length rows run as static-shape steps per batch bucket
     (rollout_ssd/gpu/graphs.py), captured as CUDA graphs on a CUDA device; on a CPU they run eagerly
     (correct, and slower than the default path: for tests).
+    compile: (CPU target) decode and verify steps run as static-shape steps compiled by inductor with the
+    target's weights frozen in (rollout_ssd/gpu/graphs.py, `StaticStep.compile`; verify rows padded to
+    k + 1 tokens so that one shape per batch bucket serves every verify). Each shape compiles on first
+    use, which takes minutes on a small CPU: for long fixed-weight jobs (offline generation, evaluation,
+    serving). A write to the target's weights (an update) drops the compiled steps, and the engine runs
+    eagerly from then on; on CUDA use cuda_graphs.
     attention: the attention backend of the models the engine runs (models/attention.py): "sdpa"
     (PyTorch SDPA with a dense visibility mask), "triton" (the span-based Triton kernel for decode,
     verify and SSD's tree steps; prefill stays on SDPA; opt-in: it has not run on a GPU yet), or "auto"
@@ -123,6 +129,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cuda_graphs: bool = False
     attention: str = "auto"
+    compile: bool = False
 
     def __post_init__(self):
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -136,5 +143,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be a number in (0, 1], got {util!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"EngineConfig.cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"EngineConfig.compile must be a bool, got {self.compile!r}")
+        if self.compile and self.cuda_graphs:
+            raise ValueError("EngineConfig.compile and cuda_graphs exclude each other (compile: CPU; graphs: CUDA)")
         if self.attention not in ATTENTION:
             raise ValueError(f"EngineConfig.attention must be one of {ATTENTION}, got {self.attention!r}")

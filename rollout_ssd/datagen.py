@@ -68,6 +68,7 @@ class GenerateConfig:
     shard_size: int = 64
     chat: bool = False
     progress: bool = True
+    compile: bool = False  # EngineConfig.compile: the target's steps compiled (a long fixed-weight job)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -88,8 +89,9 @@ class GenerateConfig:
                               chat=self.chat)
 
     def job(self, prompts: list[Prompt]) -> dict:
-        """Everything a row depends on (the manifest's identity). The input path, output path, device and
-        progress flag are not part of it: moving the prompt file or resuming on another device is allowed."""
+        """Everything a row depends on (the manifest's identity). The input path, output path, device,
+        compile and progress flags are not part of it: moving the prompt file or resuming on another device
+        is allowed."""
         keys = ("prompt_column", "split", "model", "method", "draft", "k", "dtype", "n", "temperature", "top_p",
                 "top_k", "max_new_tokens", "seed", "shard_size", "chat")
         job = {key: getattr(self, key) for key in keys}
@@ -265,7 +267,7 @@ def _load_engine(config: GenerateConfig):
 
     spec = SpecConfig(method=config.method, k=config.k)
     return RolloutEngine.from_pretrained(config.model, draft=config.draft, spec=spec, dtype=config.dtype,
-                                         device=config.device)
+                                         device=config.device, compile=config.compile)
 
 
 @contextlib.contextmanager

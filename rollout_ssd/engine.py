@@ -116,6 +116,13 @@ class RolloutEngine:
         self.runner = ModelRunner(target.model, num_slots=slots, max_len=self.max_model_len)
         if engine.cuda_graphs:
             self.runner.use_static_steps()
+        elif engine.compile:
+            if target.model.embed.device.type != "cpu":
+                raise ValueError("EngineConfig.compile is for a CPU target; on CUDA use cuda_graphs")
+            from rollout_ssd.gpu.graphs import MAX_STEP_TOKENS
+
+            verify = spec.k + 1 if spec.method != "ar" and spec.k + 1 <= MAX_STEP_TOKENS else None
+            self.runner.use_static_steps(compiled=True, pad_t=verify)
         self.stats = EngineMetrics()
         self.edges = Edges(target, self.max_model_len)
         self.target_updates = UpdateQueue(TargetWeights(target.model.hf_parameters, self.stats), self._apply_when_idle)

@@ -75,8 +75,10 @@ def _draft_model(ctx: BuildContext):
     from rollout_ssd.spec.draft_model import DraftModelSpeculator
 
     draft = ctx.checked_draft("SpecConfig.speculator='draft'")
+    static = ctx.runner.static  # the target's steps compiled (EngineConfig.compile): the draft's too
+    compiled = static is not None and static.compiled and static.pad_t is not None
     return DraftModelSpeculator(draft.model, ctx.runner.cache.num_slots, ctx.max_model_len,
-                                stop_prob=float(ctx.spec.stop_prob))
+                                stop_prob=float(ctx.spec.stop_prob), compiled_k=ctx.spec.k if compiled else None)
 
 
 def _suffix(ctx: BuildContext):

@@ -26,13 +26,18 @@ class ModelRunner:
         self.cache = KVCache(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim,
                              dtype=model.dtype, device=self.device)
 
-    def use_static_steps(self, buckets=None, graphs: Optional[bool] = None) -> None:
-        """Run equal-length batches through static-shape steps per batch bucket (rollout_ssd/gpu/graphs.py),
-        captured as CUDA graphs on a CUDA device; rows of unequal length, explicit positions or masks, and
-        head-only logits still run eagerly. On a CPU the static steps run eagerly (what the tests check)."""
+    def use_static_steps(self, buckets=None, graphs: Optional[bool] = None, compiled: bool = False,
+                         pad_t: Optional[int] = None) -> None:
+        """Run equal-length batches (and, with pad_t, ragged verify rows padded to pad_t tokens) through
+        static-shape steps per batch bucket (rollout_ssd/gpu/graphs.py), captured as CUDA graphs on a
+        CUDA device, compiled with the weights frozen in on a CPU with `compiled`; rows they do not
+        cover, and explicit positions or masks still run eagerly. On a CPU without
+        `compiled` the static steps run eagerly (what the tests check). Head-only logits (a draft's
+        restricted head) have steps of their own."""
         from rollout_ssd.gpu.graphs import BUCKETS, GraphedSteps
 
-        self.static = GraphedSteps(self.model, self.cache, buckets or BUCKETS, graphs=graphs)
+        self.static = GraphedSteps(self.model, self.cache, buckets or BUCKETS, graphs=graphs, compiled=compiled,
+                                   pad_t=pad_t)
 
     @property
     def max_len(self) -> int:
@@ -66,9 +71,9 @@ class ModelRunner:
         if min(num_new) < 1:
             raise ValueError("every row needs at least one new token")
         t_max = max(num_new)
-        if self.static is not None and positions is None and mask is None and spans is None and not head_only \
-                and min(num_new) == t_max and self.static.fits(b, t_max):
-            return self.static.run(list(slots), tokens, last_only=last_only)
+        if self.static is not None and positions is None and mask is None and spans is None \
+                and self.static.step_tokens(slots, num_new) is not None:
+            return self.static.run(list(slots), tokens, last_only=last_only, head_only=head_only)
         starts = [self.cache.lengths[s] for s in slots]
         tok = torch.zeros(b, t_max, dtype=torch.long)
         for i, row in enumerate(tokens):

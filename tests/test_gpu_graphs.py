@@ -146,3 +146,96 @@ def test_graphed_steps_refuse_a_shape_they_have_no_step_for(tiny):
         steps.run([0, 1], [[1], [2]])
     with pytest.raises(ValueError, match="at most 16 tokens"):
         steps.run([0], [list(range(17))])
+
+
+def _eager_and_static(tiny, **steps_options):
+    eager = ModelRunner(tiny, num_slots=3, max_len=32)
+    static = ModelRunner(tiny, num_slots=3, max_len=32)
+    static.use_static_steps(buckets=(2,), **steps_options)
+    for runner in (eager, static):
+        runner.prefill([0, 2], [[1, 2, 3, 4, 5], [9, 8]])
+    return eager, static
+
+
+def _same_valid_logits(got, want, num_new):
+    """Rows' own positions only (a ragged eager forward's padded positions are garbage): within float32
+    reordering error (1e-5 on logits of order 1) and the same greedy token."""
+    for b, n in enumerate(num_new):
+        torch.testing.assert_close(got[b, :n], want[b, :n], atol=1e-5, rtol=0)
+        assert torch.equal(got[b, :n].argmax(-1), want[b, :n].argmax(-1))
+
+
+def test_padded_verify_rows_run_as_one_step_and_match_the_eager_runner(tiny):
+    """pad_t: ragged verify rows (chains that stopped early) run as one pad_t-token step; each row's own
+    logits and its cache length are the eager forward's, the padding's K/V are overwritten by the next
+    forward, and a decode (one token per row) keeps its own one-token step."""
+    eager, static = _eager_and_static(tiny, pad_t=4)
+    slots = [2, 0]
+    for rows in ([[11, 12, 13], [14]], [[15, 16], [17, 18, 19, 20]]):
+        num_new = [len(r) for r in rows]
+        _same_valid_logits(static.extend(slots, rows), eager.extend(slots, rows), num_new)
+        assert [static.length(s) for s in slots] == [eager.length(s) for s in slots]
+        torch.testing.assert_close(static.extend(slots, rows, last_only=True)[:, None],
+                                   eager.extend(slots, rows, last_only=True)[:, None], atol=1e-5, rtol=0)
+        for runner in (eager, static):  # undo the last_only forward
+            for s, n in zip(slots, num_new):
+                runner.rollback(s, runner.length(s) - n)
+    decode = [[3], [4]]
+    _same_valid_logits(static.extend(slots, decode), eager.extend(slots, decode), [1, 1])
+    assert set(static.static.steps) == {StepKey(2, 4, False), StepKey(2, 1, False)}
+    assert static.static.step_tokens([0], [2]) == 4
+    static.cache.lengths[0] = 30  # 30 + 4 > 32: the padded step would write past the cache: eager runs it
+    assert static.static.step_tokens([0], [2]) is None and static.static.step_tokens([0], [1]) == 1
+
+
+def test_compiled_steps_match_the_eager_runner_and_are_dropped_when_a_weight_is_written(tiny):
+    """EngineConfig.compile's steps (inductor, weights frozen in): decode and padded verify logits equal
+    the eager forward's within float32 reordering error, over several steps (the K/V cache is written
+    and read as data, not frozen). A write to one weight (an update) drops the compiled step, whose
+    frozen copy would be stale: the step then follows the new weights."""
+    eager, static = _eager_and_static(tiny, compiled=True, pad_t=4)
+    slots = [2, 0]
+    for rows in ([[3], [4]], [[11, 12, 13], [14]], [[5], [6]]):
+        num_new = [len(r) for r in rows]
+        _same_valid_logits(static.extend(slots, rows), eager.extend(slots, rows), num_new)
+    assert all(step.compiled is not None for step in static.static.steps.values())
+    try:
+        with torch.no_grad():
+            tiny.layers[0].wo.mul_(1.5)
+        _same_valid_logits(static.extend(slots, [[7], [8]]), eager.extend(slots, [[7], [8]]), [1, 1])
+        assert static.static.steps[StepKey(2, 1, False, torch.get_num_threads())].compiled is None
+    finally:
+        with torch.no_grad():
+            tiny.layers[0].wo.div_(1.5)
+
+
+def test_compile_is_a_bool_and_excludes_cuda_graphs():
+    from rollout_ssd import EngineConfig
+
+    with pytest.raises(ValueError, match="EngineConfig.compile must be a bool"):
+        EngineConfig(compile="yes")
+    with pytest.raises(ValueError, match="exclude each other"):
+        EngineConfig(compile=True, cuda_graphs=True)
+
+
+def test_sd_engine_with_compiled_steps_gives_the_default_engines_greedy_tokens(tmp_path):
+    """SD with EngineConfig(compile=True): the target's verify (rows padded to k + 1) and decode steps
+    and the draft's drafting steps are compiled, and the greedy tokens equal the default engine's."""
+    from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig
+    from tests.support.models import tiny_pair
+
+    target, draft = tiny_pair(tmp_path, vocab=48)
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True, n=2)
+    out = {}
+    for compiled in (False, True):
+        engine = RolloutEngine(target, SpecConfig(method="sd", k=3), EngineConfig(
+            max_batch_size=4, max_model_len=64, compile=compiled), draft=draft)
+        out[compiled] = [r.token_ids for r in engine.sample([[1, 2, 3], [4, 5]], params)]
+        draft_static = engine.strategy.speculator.runner.static  # the draft's steps, compiled with the target's
+        for static in (engine.runner.static, draft_static):
+            steps = static.steps.values() if static is not None else []
+            assert any(step.compiled is not None for step in steps) == compiled
+        if compiled:
+            assert any(key.head_only for key in draft_static.steps)  # the restricted head's own steps
+        engine.close()
+    assert out[True] == out[False]

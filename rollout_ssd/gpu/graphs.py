@@ -11,7 +11,11 @@ so nothing about it depends on the batch's values.
 holds the batch; unused rows write into the KV cache's scratch slot and are dropped from the output.
 On CUDA each step is captured once (warm-up on a side stream, then `torch.cuda.graph`, all buckets
 sharing one memory pool, largest first as in nano-vllm) and replayed; on a CPU the same function runs
-eagerly, which is how its results are tested against `Decoder.forward`.
+eagerly, which is how its results are tested against `Decoder.forward`, or, with `compiled`
+(EngineConfig.compile), as one inductor graph per step with the weights frozen in: there the per-op
+cost of ~120 small calls per eager step goes, the batch-1 GEMMs run on inductor's C++ templates, and
+attention reads only the used cache length (the one dynamic size). A compiled step is for fixed
+weights: it is dropped when any weight is written.
 
 Costs of the static form under SDPA: attention reads the full `max_len` of each slot (masked) and
 gathers the batch's slots per layer, so it pays off where launch overhead dominates (small batches,
@@ -21,6 +25,7 @@ short contexts). Under the Triton backend (EngineConfig.attention) each query re
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -29,6 +34,8 @@ import torch
 from rollout_ssd.kv_cache import KVCache
 from rollout_ssd.models.attention import KeyLayout
 from rollout_ssd.models.decoder import Decoder, rms_norm
+
+log = logging.getLogger(__name__)
 
 BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 MAX_STEP_TOKENS = 16  # new tokens per row a static step takes: decode (1) and verify (K+1)
@@ -49,6 +56,8 @@ class StepKey:
     rows: int
     t: int
     last_only: bool = True
+    threads: int = 0  # a compiled step's thread count (inductor fixes it at compile time); 0: not compiled
+    head_only: bool = False  # logits over the LM head's rows (a draft's restricted head)
 
 
 class StaticStep:
@@ -56,20 +65,25 @@ class StaticStep:
 
     Inputs (written in place by `load`): tokens, positions [rows, t]; slot [rows] (padded rows: the
     scratch slot); start [rows] (cache length before the step). Output: float32 logits [rows, t, V] or,
-    with last_only, [rows, V] at position t - 1."""
+    with last_only, [rows, V] at position t - 1; with head_only, over the LM head's rows
+    (`Decoder.head_logits`: a draft's restricted head) rather than the vocabulary."""
 
-    def __init__(self, model: Decoder, cache: KVCache, rows: int, t: int, last_only: bool = True):
+    def __init__(self, model: Decoder, cache: KVCache, rows: int, t: int, last_only: bool = True,
+                 head_only: bool = False):
         if t < 1 or rows < 1:
             raise ValueError(f"StaticStep needs rows >= 1 and t >= 1, got {rows}, {t}")
         if t > cache.max_len:
             raise ValueError(f"StaticStep t={t} exceeds the cache length {cache.max_len}")
         device = model.embed.device
         self.model, self.cache, self.rows, self.t, self.last_only = model, cache, rows, t, last_only
+        self.head_only = head_only
         self.tokens = torch.zeros(rows, t, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, t, dtype=torch.long, device=device)
         self.slot = torch.full((rows,), cache.scratch_slot, dtype=torch.long, device=device)
         self.output: Optional[torch.Tensor] = None
         self.graph = None  # a torch.cuda.CUDAGraph once captured
+        self.compiled = None  # `forward` compiled by inductor with the weights frozen in (CPU: `compile`)
+        self._weights: Optional[tuple] = None  # the weights' (storage, version) when it was compiled
 
     def load(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], starts: Sequence[int]) -> None:
         """Copy one batch (len(slots) <= rows, each row exactly t tokens) into the static inputs."""
@@ -92,15 +106,22 @@ class StaticStep:
     def forward(self) -> torch.Tensor:
         """The step on the current inputs (what a graph captures). Writes K/V; leaves `cache.lengths`
         to the caller."""
+        return self.step(self.tokens, self.positions, self.slot, self.cache.keys, self.cache.values,
+                         self.cache.max_len)
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor, k_caches: list,
+             v_caches: list, read_len) -> torch.Tensor:
+        """`forward` over explicit tensors (a compiled step must receive every tensor it writes or that
+        changes between calls as an input: read through the object, freezing would fold them in as
+        constants). read_len: how far into the cache attention reads."""
         model = self.model
-        write_pos = self.positions  # [R, T]: row r's new tokens go to start[r] + j
-        write_slot = self.slot[:, None].expand(-1, self.t)
-        layout = KeyLayout(self.slot, False, self.cache.max_len, write_pos, None, None, None, self.slot.device)
+        write_pos = positions  # [R, T]: row r's new tokens go to start[r] + j
+        write_slot = slot[:, None].expand(-1, self.t)
+        layout = KeyLayout(slot, False, read_len, write_pos, None, None, None, slot.device)
         keys = model.backend.prepare(layout)  # causal: query j of row r sees [0, start[r] + j + 1)
-        x = torch.nn.functional.embedding(self.tokens, model.embed)
-        cos, signed_sin = model.rope_tables(self.positions)
-        for i, layer in enumerate(model.layers):
-            kc, vc = self.cache.keys[i], self.cache.values[i]
+        x = torch.nn.functional.embedding(tokens, model.embed)
+        cos, signed_sin = model.rope_tables(positions)
+        for layer, kc, vc in zip(model.layers, k_caches, v_caches):
 
             def attend(q, k, v, kc=kc, vc=vc):
                 kc[write_slot, :, write_pos] = k
@@ -111,7 +132,7 @@ class StaticStep:
         hidden = rms_norm(x, model.norm, model.cfg.rms_norm_eps)
         if self.last_only:
             hidden = hidden[:, -1]
-        return model.logits(hidden)
+        return model.head_logits(hidden) if self.head_only else model.logits(hidden)
 
     def capture(self, pool=None) -> None:
         """Capture `forward` as a CUDA graph (CUDA only): warm up on a side stream, then record."""
@@ -128,30 +149,102 @@ class StaticStep:
             self.output = self.forward()
         self.graph = graph
 
+    def compile(self) -> None:
+        """Compile `forward` with inductor (CPU): the whole step as one graph, the weights folded in as
+        constants and packed once, the matmuls by inductor's C++ GEMM templates where they measure
+        faster (`compile_options`). The compile itself runs on the first `run`. The frozen graph holds its
+        own copies of the weights, so a write to any weight (an update) drops it: the step then runs
+        eagerly, as without compile."""
+        self.compiled = torch.compile(_StepModule(self), fullgraph=True)
+        self._modules = list(self.model.modules())
+        self._weights = weights_key(self._modules)
+
     @torch.inference_mode()
-    def run(self) -> torch.Tensor:
+    def run(self, read_len: Optional[int] = None) -> torch.Tensor:
+        """The step on the loaded inputs. read_len (a compiled step): the cache length attention must
+        read, the loaded rows' start + t at most; one compiled graph serves every length (dynamic)."""
         if self.graph is not None:
             self.graph.replay()
             return self.output
+        if self.compiled is not None:
+            if weights_key(self._modules) == self._weights:
+                read = torch.empty(self.cache.max_len if read_len is None else read_len, dtype=torch.int8)
+                torch._dynamo.mark_dynamic(read, 0)
+                # inductor reads these at compile time, which is inside a call (the first, or a recompile);
+                # torch.compile's `options` did not reach freezing in this torch (2.13): the step then ran
+                # unfrozen, no faster than eager
+                with torch._inductor.config.patch(compile_options(self.t)), \
+                        torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                    return self.compiled(read, self.tokens, self.positions, self.slot, self.cache.keys,
+                                         self.cache.values)
+            log.warning("the model's weights changed: the compiled %dx%d step is dropped (eager from now on)",
+                        self.rows, self.t)
+            self.compiled = None
         return self.forward()
+
+
+def compile_options(t: int) -> dict:
+    """inductor's options for a compiled CPU step of t tokens per row: the weights frozen in (constant-
+    folded, packed once); for one token (decode) the GEMMs are also autotuned between ATen's (oneDNN)
+    and inductor's C++ templates, which win there; a verify's few rows run faster on oneDNN's packed
+    kernels than on the templates, autotuning or not (bench/probe_compiled_step.py, bench/RESULTS.md)."""
+    if t == 1:
+        return {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+    return {"freezing": True, "max_autotune": False}
+
+
+class _StepModule(torch.nn.Module):
+    """A step as a module holding the model: what inductor's freezing needs to see the weights as the
+    graph's parameters (folded in as constants), rather than as inputs read through a plain object."""
+
+    def __init__(self, step: StaticStep):
+        super().__init__()
+        self.model = step.model
+        self.step = [step]  # not a submodule: the step's buffers are inputs, the model's weights parameters
+
+    def forward(self, read, tokens, positions, slot, k_caches, v_caches) -> torch.Tensor:
+        return self.step[0].step(tokens, positions, slot, k_caches, v_caches, read.shape[0])
+
+
+# every step's module is a graph of the same code to dynamo, whose default limit (8 per code object) would
+# leave the steps past the eighth eager: (buckets x decode/verify x thread counts) stays under this
+RECOMPILE_LIMIT = 4 * len(BUCKETS) * 2 * 2
+
+
+def weights_key(modules: list) -> tuple:
+    """Every parameter of these modules (a model's `modules()`, listed once: walking the module tree per
+    step cost more than 0.5 ms) by identity, storage and version counter: any in-place write or
+    replacement of a parameter changes it."""
+    return tuple((id(p), p.data_ptr(), p._version) for m in modules for p in m._parameters.values()
+                 if p is not None)
 
 
 class GraphedSteps:
     """Static steps per (bucket, t) over one model and cache; `run` routes a batch to its bucket.
 
-    graphs: capture on CUDA (None = capture exactly when the model is on a CUDA device). A step is
-    built (and captured) on first use, or up front with `prepare`."""
+    graphs: capture on CUDA (None = capture exactly when the model is on a CUDA device). compiled (CPU):
+    compile each step (`StaticStep.compile`). pad_t: rows of 2..pad_t new tokens, ragged or not (a
+    verify of chains that stopped early), run as one pad_t-token step, each row padded with copies of
+    its last token: a compiled shape per bucket for every verify, at the cost of computing the padding.
+    A padded query is causal like the others, so the rows' own queries see exactly what they would
+    unpadded; the padding's K/V land past the row's length, where the next forward overwrites them. A
+    step is built (and captured) on first use, or up front with `prepare`."""
 
     def __init__(self, model: Decoder, cache: KVCache, buckets: Sequence[int] = BUCKETS,
-                 graphs: Optional[bool] = None):
+                 graphs: Optional[bool] = None, compiled: bool = False, pad_t: Optional[int] = None):
         if not buckets or any(not isinstance(b, int) or b < 1 for b in buckets):
             raise ValueError(f"graph buckets must be positive integers, got {tuple(buckets)!r}")
         on_cuda = model.embed.device.type == "cuda"
         if graphs and not on_cuda:
             raise ValueError("graphs=True needs the model on a CUDA device")
+        if compiled and on_cuda:
+            raise ValueError("compiled steps are for a CPU model; on CUDA, steps are captured as graphs")
+        if pad_t is not None and not 2 <= pad_t <= MAX_STEP_TOKENS:
+            raise ValueError(f"pad_t must be in [2, {MAX_STEP_TOKENS}], got {pad_t!r}")
         self.model, self.cache = model, cache
         self.buckets = tuple(sorted(set(buckets)))
         self.graphs = on_cuda if graphs is None else graphs
+        self.compiled, self.pad_t = compiled, pad_t
         self.steps: dict[StepKey, StaticStep] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
 
@@ -164,9 +257,13 @@ class GraphedSteps:
     def _step(self, key: StepKey) -> StaticStep:
         step = self.steps.get(key)
         if step is None:
-            step = StaticStep(self.model, self.cache, key.rows, key.t, last_only=key.last_only)
+            step = StaticStep(self.model, self.cache, key.rows, key.t, last_only=key.last_only,
+                              head_only=key.head_only)
             if self.graphs:
                 step.capture(self._pool)
+            elif self.compiled:
+                log.info("compiling the %dx%d step (inductor, on its first run)", key.rows, key.t)
+                step.compile()
             self.steps[key] = step
         return step
 
@@ -175,20 +272,44 @@ class GraphedSteps:
         decode or verify length (a prefill's length varies per call: a graph per length would not pay)."""
         return 1 <= batch <= self.buckets[-1] and 1 <= t <= min(MAX_STEP_TOKENS, self.cache.max_len)
 
-    def run(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], last_only: bool = True) -> torch.Tensor:
-        """Append tokens[b] (all rows the same length t) to slot b; returns logits [B, V] at each
-        row's last new token ([B, t, V] with last_only=False), and advances the cache lengths as
-        `ModelRunner.extend` does."""
+    def step_tokens(self, slots: Sequence[int], num_new: Sequence[int]) -> Optional[int]:
+        """The t of the step that runs rows of these lengths (pad_t for padded rows), None where none
+        does: ragged rows without padding, a padded step that would write past the cache, and (compiled)
+        any length but 1 and pad_t."""
+        t = max(num_new)
+        if self.pad_t is not None and 1 < t <= self.pad_t:
+            t = self.pad_t
+            if any(self.cache.lengths[s] + t > self.cache.max_len for s in slots):
+                return None
+        elif min(num_new) != t or (self.compiled and t != 1):  # compiled: decode and pad_t only (a compile
+            return None                                         # per other length would cost minutes)
+        return t if self.fits(len(slots), t) else None
+
+    def run(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], last_only: bool = True,
+            head_only: bool = False) -> torch.Tensor:
+        """Append tokens[b] to slot b (rows of one length, or rows `pad_t` covers); returns logits [B, V]
+        at each row's last new token ([B, T, V] with last_only=False, T the longest row), and advances
+        the cache lengths as `ModelRunner.extend` does."""
         if not slots:
             raise ValueError("a step needs at least one row")
-        t = len(tokens[0])
-        if not self.fits(len(slots), t):
-            raise ValueError(f"no static step for {len(slots)} rows of {t} tokens (buckets {self.buckets}, "
-                             f"at most {MAX_STEP_TOKENS} tokens)")
+        num_new = [len(row) for row in tokens]
+        t = self.step_tokens(slots, num_new) if min(num_new) >= 1 else None
+        if t is None:
+            raise ValueError(f"no static step for {len(slots)} rows of {num_new} tokens (buckets "
+                             f"{self.buckets}, at most {MAX_STEP_TOKENS} tokens, padding to {self.pad_t})")
+        padded = any(n != t for n in num_new)
         starts = [self.cache.lengths[s] for s in slots]
-        step = self._step(StepKey(bucket_for(len(slots), self.buckets), t, last_only))
-        step.load(slots, tokens, starts)
-        logits = step.run()[: len(slots)]
-        for slot, start in zip(slots, starts):
-            self.cache.lengths[slot] = start + t
+        # a compiled step per thread count: on a CPU beside an SSD worker the target runs on one core in
+        # SSD rounds and on every core in the others (ssd/cores.py)
+        threads = torch.get_num_threads() if self.compiled else 0
+        step = self._step(StepKey(bucket_for(len(slots), self.buckets), t, last_only and not padded, threads,
+                                  head_only))
+        step.load(slots, [list(row) + [row[-1]] * (t - len(row)) for row in tokens], starts)
+        logits = step.run(max(starts) + t)[: len(slots)]
+        for slot, start, n in zip(slots, starts, num_new):
+            self.cache.lengths[slot] = start + n
+        if padded:
+            rows = torch.arange(len(slots), device=logits.device)
+            logits = logits[rows, torch.tensor(num_new, device=logits.device) - 1] if last_only \
+                else logits[:, :max(num_new)]
         return logits.clone() if step.graph is not None else logits

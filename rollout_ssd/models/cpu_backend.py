@@ -166,7 +166,7 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: 
     does not apply (other dtypes, devices, training, more than PACKED_BF16_MAX_ROWS rows)."""
     m = x.numel() // x.shape[-1]
     if w.dtype != torch.bfloat16 or not w.is_cpu or w.requires_grad or x.requires_grad \
-            or m > PACKED_BF16_MAX_ROWS or not packed_bf16():
+            or m > PACKED_BF16_MAX_ROWS or torch.compiler.is_compiling() or not packed_bf16():
         return None
     out = torch.ops.mkldnn._linear_pointwise(x.reshape(m, x.shape[-1]), copies.get(name + ":packed", w, _pack),
                                              bias, "none", [], "")
@@ -241,7 +241,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,
     if packed is not None:
         return packed
     m = x.numel() // x.shape[-1]
-    if m < 2 or w.requires_grad or w.dtype != torch.float32 or not w.is_cpu:
+    if m < 2 or w.requires_grad or w.dtype != torch.float32 or not w.is_cpu or torch.compiler.is_compiling():
         return F.linear(x, w, bias)
     if m >= ONE_THREAD_COLUMN_MAJOR_ROWS and w.t().is_contiguous() and torch.get_num_threads() == 1:
         return F.linear(x, w, bias)
@@ -262,7 +262,8 @@ def head_matmul(rows: torch.Tensor, head: torch.Tensor, copies: WeightCopies) ->
     if packed is not None:
         return packed
     m = rows.shape[0]
-    cpu_f32 = head.dtype == torch.float32 and head.is_cpu and not rows.requires_grad
+    cpu_f32 = head.dtype == torch.float32 and head.is_cpu and not rows.requires_grad \
+        and not torch.compiler.is_compiling()
     if cpu_f32 and m == 1:
         return rows @ copies.get("lm_head_t", head, lambda h: h.t().contiguous())
     if cpu_f32 and m <= HEAD_MM_T_MAX_ROWS:
