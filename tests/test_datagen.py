@@ -185,6 +185,33 @@ def test_sd_greedy_rows_equal_ar(setup, tmp_path):
     assert {r["method"] for r in sd} == {"sd"}
 
 
+def test_compile_reaches_the_engine_and_changes_no_row(setup, tmp_path, monkeypatch):
+    """`rollout-ssd generate --compile` (GenerateConfig.compile) builds the engine with
+    EngineConfig.compile: its steps are compiled, the rows are the eager job's (greedy, float32), and the
+    flag is not part of the job's identity (a compiled run may resume an eager one's output)."""
+    from rollout_ssd.engine import RolloutEngine
+
+    made = []
+    original = RolloutEngine.from_pretrained.__func__
+
+    def recording(cls, *args, **kwargs):
+        made.append(original(cls, *args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(RolloutEngine, "from_pretrained", classmethod(recording))
+    common = dict(prompt_column="prompt_token_ids", temperature=0.0, n=1, max_new_tokens=5, shard_size=6)
+    generate_dataset(_config(setup, tmp_path / "eager", **common))
+    assert cli_main(["generate", "--input", setup["prompts"], "--prompt-column", "prompt_token_ids", "--output",
+                     str(tmp_path / "compiled"), "--model", setup["model"], "--n", "1", "--temperature", "0",
+                     "--max-new-tokens", "5", "--shard-size", "6", "--seed", "3", "--dtype", "float32",
+                     "--no-progress", "--compile"]) == 0
+    assert made[0].runner.static is None and made[1].runner.static.compiled
+    assert any(step.compiled is not None for step in made[1].runner.static.steps.values())
+    eager, compiled = _rows(tmp_path / "eager"), _rows(tmp_path / "compiled")
+    assert [r["token_ids"] for r in eager] == [r["token_ids"] for r in compiled]
+    assert read_manifest(tmp_path / "eager")["job"] == read_manifest(tmp_path / "compiled")["job"]
+
+
 def test_progress_postfix_reports_tokens_per_s_and_hit_rate():
     assert _postfix({"rollout/tokens_per_s": 12.4}) == {"tok/s": "12"}
     assert _postfix({"rollout/tokens_per_s": 1.0, "ssd/hit_rate": 0.756, "spec/accept_rate": 0.5}) == {
