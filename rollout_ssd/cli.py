@@ -128,8 +128,8 @@ def _add_generate_parser(sub) -> None:
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to text prompts")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--compile", action="store_true",
-                   help="compile the target's decode and verify steps (EngineConfig.compile: minutes per shape "
-                        "at the start, then faster steps; for long jobs on a CPU)")
+                   help="compile the decode and verify steps of the target and SD's draft (EngineConfig.compile: "
+                        "minutes per shape at the start, then faster steps; for long fixed-weight jobs on a CPU)")
     p.set_defaults(func=generate)
 
 

@@ -110,12 +110,12 @@ class EngineConfig:
     cuda_graphs: decode and verify steps of equal-length rows run as static-shape steps per batch bucket
     (rollout_ssd/gpu/graphs.py), captured as CUDA graphs on a CUDA device; on a CPU they run eagerly
     (correct, and slower than the default path: for tests).
-    compile: (CPU target) decode and verify steps run as static-shape steps compiled by inductor with the
-    target's weights frozen in (rollout_ssd/gpu/graphs.py, `StaticStep.compile`; verify rows padded to
-    k + 1 tokens so that one shape per batch bucket serves every verify). Each shape compiles on first
-    use, which takes minutes on a small CPU: for long fixed-weight jobs (offline generation, evaluation,
-    serving). A write to the target's weights (an update) drops the compiled steps, and the engine runs
-    eagerly from then on; on CUDA use cuda_graphs.
+    compile: (CPU target) decode and verify steps of the target and of SD's draft run as static-shape
+    steps compiled by inductor with the weights frozen in (rollout_ssd/gpu/graphs.py, `StaticStep.compile`;
+    verify rows padded to k + 1 tokens so that one shape per batch bucket serves every verify). Each shape
+    compiles on first use, which takes minutes on a small CPU: for long fixed-weight jobs (offline
+    generation, evaluation, serving). A write to a model's weights (an update) drops its compiled steps,
+    and its forwards run eagerly from then on, as after a compile that fails; on CUDA use cuda_graphs.
     attention: the attention backend of the models the engine runs (models/attention.py): "sdpa"
     (PyTorch SDPA with a dense visibility mask), "triton" (the span-based Triton kernel for decode,
     verify and SSD's tree steps; prefill stays on SDPA; opt-in: it has not run on a GPU yet), or "auto"

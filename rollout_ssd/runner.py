@@ -71,9 +71,11 @@ class ModelRunner:
         if min(num_new) < 1:
             raise ValueError("every row needs at least one new token")
         t_max = max(num_new)
-        if self.static is not None and positions is None and mask is None and spans is None \
-                and self.static.step_tokens(slots, num_new) is not None:
-            return self.static.run(list(slots), tokens, last_only=last_only, head_only=head_only)
+        if self.static is not None and positions is None and mask is None and spans is None:
+            t = self.static.step_tokens(slots, num_new)
+            out = None if t is None else self.static.run(list(slots), tokens, last_only, head_only, t=t)
+            if out is not None:  # None: no step for these rows, or its compile failed (then eager from now on)
+                return out
         starts = [self.cache.lengths[s] for s in slots]
         tok = torch.zeros(b, t_max, dtype=torch.long)
         for i, row in enumerate(tokens):

@@ -193,20 +193,48 @@ def test_compiled_steps_match_the_eager_runner_and_are_dropped_when_a_weight_is_
     the eager forward's within float32 reordering error, over several steps (the K/V cache is written
     and read as data, not frozen). A write to one weight (an update) drops the compiled step, whose
     frozen copy would be stale: the step then follows the new weights."""
-    eager, static = _eager_and_static(tiny, compiled=True, pad_t=4)
+    eager = ModelRunner(tiny, num_slots=3, max_len=32)
+    static = ModelRunner(tiny, num_slots=3, max_len=32)
+    static.use_static_steps(buckets=(1, 2, 4), compiled=True, pad_t=4)
+    for runner in (eager, static):
+        runner.prefill([0, 2], [[1, 2, 3, 4, 5], [9, 8]])
     slots = [2, 0]
-    for rows in ([[3], [4]], [[11, 12, 13], [14]], [[5], [6]]):
+    for rows in ([[3], [4]], [[11, 12, 13], [14]], [[5], [6]], [[7]]):
         num_new = [len(r) for r in rows]
-        _same_valid_logits(static.extend(slots, rows), eager.extend(slots, rows), num_new)
-    assert all(step.compiled is not None for step in static.static.steps.values())
+        _same_valid_logits(static.extend(slots[:len(rows)], rows), eager.extend(slots[:len(rows)], rows), num_new)
+    steps = list(static.static.steps.values())
+    assert len(steps) == 3 and all(step.compiled is not None for step in steps)
+    # each step its own code object: dynamo would otherwise serve one step's graph (its frozen weights
+    # included) to another of a different bucket
+    assert len({type(step.compiled._orig_mod).forward.__code__ for step in steps}) == 3
     try:
         with torch.no_grad():
             tiny.layers[0].wo.mul_(1.5)
         _same_valid_logits(static.extend(slots, [[7], [8]]), eager.extend(slots, [[7], [8]]), [1, 1])
-        assert static.static.steps[StepKey(2, 1, False, torch.get_num_threads())].compiled is None
+        for runner in (eager, static):  # a third sequence: a bucket (4) no step was made for before the write
+            runner.prefill([1], [[4]])
+        rows = [[1], [2], [3]]
+        _same_valid_logits(static.extend([2, 0, 1], rows), eager.extend([2, 0, 1], rows), [1, 1, 1])
+        assert static.static.retired and not static.static.steps
     finally:
         with torch.no_grad():
             tiny.layers[0].wo.div_(1.5)
+
+
+def test_a_failed_compile_leaves_the_forward_to_the_eager_path(tiny, monkeypatch):
+    """A compile that fails (no C++ compiler, an inductor error) retires the compiled steps: that forward
+    and every later one run eagerly, with the eager runner's results; nothing was advanced twice."""
+    def failing(step):
+        def compiled(*args):
+            raise RuntimeError("no compiler")
+        step.compiled = compiled
+
+    monkeypatch.setattr(StaticStep, "compile", failing)
+    eager, static = _eager_and_static(tiny, compiled=True, pad_t=4)
+    for rows in ([[3], [4]], [[5, 6], [7]]):
+        _same_valid_logits(static.extend([2, 0], rows), eager.extend([2, 0], rows), [len(r) for r in rows])
+        assert [static.length(s) for s in (2, 0)] == [eager.length(s) for s in (2, 0)]
+    assert static.static.retired and not static.static.steps
 
 
 def test_compile_is_a_bool_and_excludes_cuda_graphs():

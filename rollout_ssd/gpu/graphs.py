@@ -15,7 +15,7 @@ eagerly, which is how its results are tested against `Decoder.forward`, or, with
 (EngineConfig.compile), as one inductor graph per step with the weights frozen in: there the per-op
 cost of ~120 small calls per eager step goes, the batch-1 GEMMs run on inductor's C++ templates, and
 attention reads only the used cache length (the one dynamic size). A compiled step is for fixed
-weights: it is dropped when any weight is written.
+weights: `GraphedSteps` drops every compiled step when any weight is written.
 
 Costs of the static form under SDPA: attention reads the full `max_len` of each slot (masked) and
 gathers the batch's slots per layer, so it pays off where launch overhead dominates (small batches,
@@ -26,6 +26,7 @@ short contexts). Under the Triton backend (EngineConfig.attention) each query re
 from __future__ import annotations
 
 import logging
+import types
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -83,7 +84,7 @@ class StaticStep:
         self.output: Optional[torch.Tensor] = None
         self.graph = None  # a torch.cuda.CUDAGraph once captured
         self.compiled = None  # `forward` compiled by inductor with the weights frozen in (CPU: `compile`)
-        self._weights: Optional[tuple] = None  # the weights' (storage, version) when it was compiled
+        self.ran = False  # whether `run` has completed once (a compiled step's compile is in its first run)
 
     def load(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], starts: Sequence[int]) -> None:
         """Copy one batch (len(slots) <= rows, each row exactly t tokens) into the static inputs."""
@@ -153,11 +154,14 @@ class StaticStep:
         """Compile `forward` with inductor (CPU): the whole step as one graph, the weights folded in as
         constants and packed once, the matmuls by inductor's C++ GEMM templates where they measure
         faster (`compile_options`). The compile itself runs on the first `run`. The frozen graph holds its
-        own copies of the weights, so a write to any weight (an update) drops it: the step then runs
-        eagerly, as without compile."""
-        self.compiled = torch.compile(_StepModule(self), fullgraph=True)
-        self._modules = list(self.model.modules())
-        self._weights = weights_key(self._modules)
+        own copies of the weights: `GraphedSteps` drops every compiled step once any weight is written.
+        Each step compiles its own copy of the module's code: dynamo keeps its graphs per code object and
+        guards a frozen weight by identity, not content, so a step sharing the code would reuse another
+        step's graph (a dynamic row count serves every bucket), stale weights included, and keep it alive."""
+        code = _StepModule.forward.__code__.replace(co_name=f"step_{self.rows}x{self.t}")
+        own = type(f"_Step{self.rows}x{self.t}", (_StepModule,),
+                   {"forward": types.FunctionType(code, _StepModule.forward.__globals__)})
+        self.compiled = torch.compile(own(self), fullgraph=True)
 
     @torch.inference_mode()
     def run(self, read_len: Optional[int] = None) -> torch.Tensor:
@@ -167,19 +171,15 @@ class StaticStep:
             self.graph.replay()
             return self.output
         if self.compiled is not None:
-            if weights_key(self._modules) == self._weights:
-                read = torch.empty(self.cache.max_len if read_len is None else read_len, dtype=torch.int8)
-                torch._dynamo.mark_dynamic(read, 0)
-                # inductor reads these at compile time, which is inside a call (the first, or a recompile);
-                # torch.compile's `options` did not reach freezing in this torch (2.13): the step then ran
-                # unfrozen, no faster than eager
-                with torch._inductor.config.patch(compile_options(self.t)), \
-                        torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                    return self.compiled(read, self.tokens, self.positions, self.slot, self.cache.keys,
-                                         self.cache.values)
-            log.warning("the model's weights changed: the compiled %dx%d step is dropped (eager from now on)",
-                        self.rows, self.t)
-            self.compiled = None
+            read = torch.empty(self.cache.max_len if read_len is None else read_len, dtype=torch.int8)
+            torch._dynamo.mark_dynamic(read, 0)
+            # inductor reads these at compile time, which is inside a call (the first, or a recompile);
+            # torch.compile's `options` did not reach freezing in this torch (2.13): the step then ran
+            # unfrozen, no faster than eager
+            with torch._inductor.config.patch(compile_options(self.t)), \
+                    torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                return self.compiled(read, self.tokens, self.positions, self.slot, self.cache.keys,
+                                     self.cache.values)
         return self.forward()
 
 
@@ -206,9 +206,9 @@ class _StepModule(torch.nn.Module):
         return self.step[0].step(tokens, positions, slot, k_caches, v_caches, read.shape[0])
 
 
-# every step's module is a graph of the same code to dynamo, whose default limit (8 per code object) would
-# leave the steps past the eighth eager: (buckets x decode/verify x thread counts) stays under this
-RECOMPILE_LIMIT = 4 * len(BUCKETS) * 2 * 2
+# graphs per step code object: one per thread count (dynamo guards torch's thread count), and a
+# recompile for a read length of 1 (dynamo specialises sizes 0 and 1)
+RECOMPILE_LIMIT = 8
 
 
 def weights_key(modules: list) -> tuple:
@@ -245,8 +245,17 @@ class GraphedSteps:
         self.buckets = tuple(sorted(set(buckets)))
         self.graphs = on_cuda if graphs is None else graphs
         self.compiled, self.pad_t = compiled, pad_t
+        self.retired = False  # compiled steps given up (a weight was written, or a compile failed)
         self.steps: dict[StepKey, StaticStep] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self._modules = list(model.modules()) if compiled else []
+        self._weights = weights_key(self._modules)  # what the compiled steps freeze in
+
+    def _retire(self, why: str) -> None:
+        """Drop every compiled step (their graphs hold stale or no weights) and leave every forward to
+        the runner's eager path from now on."""
+        log.warning("compiled steps dropped (%s): the engine runs eagerly from now on", why)
+        self.retired, self.steps = True, {}
 
     def prepare(self, t: int, buckets: Optional[Sequence[int]] = None) -> None:
         """Build (and capture) the steps of `t` tokens for these buckets, largest first so smaller
@@ -275,7 +284,13 @@ class GraphedSteps:
     def step_tokens(self, slots: Sequence[int], num_new: Sequence[int]) -> Optional[int]:
         """The t of the step that runs rows of these lengths (pad_t for padded rows), None where none
         does: ragged rows without padding, a padded step that would write past the cache, and (compiled)
-        any length but 1 and pad_t."""
+        any length but 1 and pad_t. Compiled: None once any weight was written since the steps were made
+        (every compiled step is then dropped, `retired`)."""
+        if self.retired:
+            return None
+        if self.compiled and weights_key(self._modules) != self._weights:
+            self._retire("the model's weights changed")
+            return None
         t = max(num_new)
         if self.pad_t is not None and 1 < t <= self.pad_t:
             t = self.pad_t
@@ -286,14 +301,17 @@ class GraphedSteps:
         return t if self.fits(len(slots), t) else None
 
     def run(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], last_only: bool = True,
-            head_only: bool = False) -> torch.Tensor:
+            head_only: bool = False, t: Optional[int] = None) -> Optional[torch.Tensor]:
         """Append tokens[b] to slot b (rows of one length, or rows `pad_t` covers); returns logits [B, V]
         at each row's last new token ([B, T, V] with last_only=False, T the longest row), and advances
-        the cache lengths as `ModelRunner.extend` does."""
+        the cache lengths as `ModelRunner.extend` does. t: `step_tokens`' answer, when the caller has it.
+        None (nothing advanced) where a step's compile failed: the compiled steps are retired and the
+        caller runs the forward eagerly."""
         if not slots:
             raise ValueError("a step needs at least one row")
         num_new = [len(row) for row in tokens]
-        t = self.step_tokens(slots, num_new) if min(num_new) >= 1 else None
+        if t is None:
+            t = self.step_tokens(slots, num_new) if min(num_new) >= 1 else None
         if t is None:
             raise ValueError(f"no static step for {len(slots)} rows of {num_new} tokens (buckets "
                              f"{self.buckets}, at most {MAX_STEP_TOKENS} tokens, padding to {self.pad_t})")
@@ -305,7 +323,14 @@ class GraphedSteps:
         step = self._step(StepKey(bucket_for(len(slots), self.buckets), t, last_only and not padded, threads,
                                   head_only))
         step.load(slots, [list(row) + [row[-1]] * (t - len(row)) for row in tokens], starts)
-        logits = step.run(max(starts) + t)[: len(slots)]
+        try:
+            logits = step.run(max(starts) + t)[: len(slots)]
+        except Exception as err:  # noqa: BLE001 (a compile's failure: no C++ compiler, an inductor error)
+            if step.compiled is None or step.ran:
+                raise
+            self._retire(f"compiling the {step.rows}x{step.t} step failed: {type(err).__name__}: {err}")
+            return None
+        step.ran = True
         for slot, start, n in zip(slots, starts, num_new):
             self.cache.lengths[slot] = start + n
         if padded:
