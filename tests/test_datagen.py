@@ -28,6 +28,7 @@ from rollout_ssd.datagen import (  # noqa: E402
 )
 from rollout_ssd.prompt_files import load_prompts  # noqa: E402
 from tests.support.models import build_tiny  # noqa: E402
+from tests.support.toolchain import needs_cxx  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_PROMPTS = 12
@@ -185,6 +186,7 @@ def test_sd_greedy_rows_equal_ar(setup, tmp_path):
     assert {r["method"] for r in sd} == {"sd"}
 
 
+@needs_cxx
 def test_compile_reaches_the_engine_and_changes_no_row(setup, tmp_path, monkeypatch):
     """`rollout-ssd generate --compile` (GenerateConfig.compile) builds the engine with
     EngineConfig.compile: its steps are compiled, the rows are the eager job's (greedy, float32), and the

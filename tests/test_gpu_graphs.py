@@ -10,6 +10,7 @@ from rollout_ssd.gpu.graphs import BUCKETS, GraphedSteps, StaticStep, StepKey, b
 from rollout_ssd.models.loader import load_pretrained
 from rollout_ssd.runner import ModelRunner
 from tests.support.models import hf_config, randomize
+from tests.support.toolchain import needs_cxx
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +189,7 @@ def test_padded_verify_rows_run_as_one_step_and_match_the_eager_runner(tiny):
     assert static.static.step_tokens([0], [2]) is None and static.static.step_tokens([0], [1]) == 1
 
 
+@needs_cxx
 def test_compiled_steps_match_the_eager_runner_and_are_dropped_when_a_weight_is_written(tiny):
     """EngineConfig.compile's steps (inductor, weights frozen in): decode and padded verify logits equal
     the eager forward's within float32 reordering error, over several steps (the K/V cache is written
@@ -246,6 +248,7 @@ def test_compile_is_a_bool_and_excludes_cuda_graphs():
         EngineConfig(compile=True, cuda_graphs=True)
 
 
+@needs_cxx
 def test_sd_engine_with_compiled_steps_gives_the_default_engines_greedy_tokens(tmp_path):
     """SD with EngineConfig(compile=True): the target's verify (rows padded to k + 1) and decode steps
     and the draft's drafting steps are compiled, and the greedy tokens equal the default engine's."""
