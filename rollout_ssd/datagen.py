@@ -68,7 +68,7 @@ class GenerateConfig:
     shard_size: int = 64
     chat: bool = False
     progress: bool = True
-    compile: bool = False  # EngineConfig.compile: the target's steps compiled (a long fixed-weight job)
+    compile: bool = False  # EngineConfig.compile: the target's and SD's draft's steps compiled (fixed weights)
 
     def __post_init__(self):
         if self.method not in METHODS:

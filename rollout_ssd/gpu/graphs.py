@@ -173,11 +173,12 @@ class StaticStep:
         if self.compiled is not None:
             read = torch.empty(self.cache.max_len if read_len is None else read_len, dtype=torch.int8)
             torch._dynamo.mark_dynamic(read, 0)
-            # inductor reads these at compile time, which is inside a call (the first, or a recompile);
+            # inductor reads these at compile time, which is inside a call (the first, or the recompile
+            # for a read length of 1: dynamo specialises sizes 0 and 1; each step's own code object
+            # holds its graphs, far below dynamo's limit per code object);
             # torch.compile's `options` did not reach freezing in this torch (2.13): the step then ran
             # unfrozen, no faster than eager
-            with torch._inductor.config.patch(compile_options(self.t)), \
-                    torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            with torch._inductor.config.patch(compile_options(self.t)):
                 return self.compiled(read, self.tokens, self.positions, self.slot, self.cache.keys,
                                      self.cache.values)
         return self.forward()
@@ -206,15 +207,10 @@ class _StepModule(torch.nn.Module):
         return self.step[0].step(tokens, positions, slot, k_caches, v_caches, read.shape[0])
 
 
-# graphs per step code object: one per thread count (dynamo guards torch's thread count), and a
-# recompile for a read length of 1 (dynamo specialises sizes 0 and 1)
-RECOMPILE_LIMIT = 8
-
-
 def weights_key(modules: list) -> tuple:
-    """Every parameter of these modules (a model's `modules()`, listed once: walking the module tree per
-    step cost more than 0.5 ms) by identity, storage and version counter: any in-place write or
-    replacement of a parameter changes it."""
+    """Every parameter of these modules (a model's `modules()`, listed once: walking the module tree on
+    every step costs several times more, bench/weights_check_cost.py) by identity, storage and version
+    counter: any in-place write or replacement of a parameter changes it."""
     return tuple((id(p), p.data_ptr(), p._version) for m in modules for p in m._parameters.values()
                  if p is not None)
 

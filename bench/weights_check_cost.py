@@ -1,0 +1,45 @@
+"""What a compiled engine's weight check costs per forward (rollout_ssd/gpu/graphs.py, `weights_key`, run
+before every compiled step): over the model's modules listed once, against walking `model.parameters()`
+per call, on SmolLM2-135M (dtype auto). Microseconds per call (mean of --calls), table, then a JSON line.
+
+    .venv/bin/python bench/weights_check_cost.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from common import add_repo_to_path, machine_note, print_json_line, print_table
+
+add_repo_to_path()
+
+from rollout_ssd.gpu.graphs import weights_key  # noqa: E402
+from rollout_ssd.models.loader import load_pretrained  # noqa: E402
+
+
+def per_call_us(fn, calls: int) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--calls", type=int, default=200)
+    args = p.parse_args(argv)
+    model = load_pretrained("smollm2-135m-instruct", dtype="auto", with_tokenizer=False).model
+    modules = list(model.modules())
+    rows = [{"check": "walk model.parameters() per call",
+             "us per call": per_call_us(lambda: tuple((q.data_ptr(), q._version) for q in model.parameters()),
+                                        args.calls)},
+            {"check": "weights_key over the listed modules", "us per call": per_call_us(lambda: weights_key(modules),
+                                                                                        args.calls)}]
+    print_table(rows, floatfmt=".0f")
+    print_json_line({"bench": "weights_check_cost", "machine": machine_note(), "args": vars(args), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
