@@ -8,9 +8,15 @@ seconds, and how many of the compiled engine's outputs equal the eager one's tok
 first position where each differs (the compiled graph rounds bf16 differently, so a greedy near-tie may
 fall the other way: counted, not assumed; the eager SD engine against the eager AR one is printed too,
 the same question between two eager paths). With AR, a last row: transformers' `generate` in the same
-dtype and the batch-1 memory roofline. Table, then one JSON line.
+dtype and the batch-1 memory roofline. --compile picks the compiled engines' kind ("frozen": weights folded
+in; "live": the weights stay graph inputs). --update-every-call writes new target weights before every
+timed prompt (through the compiled engine's `update_weights`; the engines share the target, so both run
+on them), alternating between the loaded weights and a perturbed copy, as an RL job's updates would: the
+cost of following an update is then in the rates, and the graphs compiled during the timed calls are
+counted (a live engine should compile none). Table, then one JSON line.
 
     .venv/bin/python bench/bench_compile.py --methods ar,sd
+    .venv/bin/python bench/bench_compile.py --methods ar,sd --compile live --update-every-call
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import torch
 from common import add_repo_to_path, bench_prompts, machine_note, print_json_line, print_table
 
 add_repo_to_path()
@@ -34,7 +41,7 @@ def first_difference(a: list[int], b: list[int]):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
-def against_generate(target, prompts, new_tokens: int, ar_row: dict) -> dict:
+def against_generate(target, prompts, new_tokens: int, ar_row: dict, modes: list[str]) -> dict:
     """transformers' `generate` on the same weights in the target's dtype (greedy, fixed length, one
     prompt per call as above), and the batch-1 memory roofline: the copy bandwidth over the bytes a
     decode step must stream (bench_ar.py's `bytes_per_step`). The AR rates above include each call's
@@ -48,10 +55,79 @@ def against_generate(target, prompts, new_tokens: int, ar_row: dict) -> dict:
     tokens = sum(len(hf_run(hf, [p], new_tokens)[0]) for p in prompts)
     hf_rate = tokens / (time.perf_counter() - t0)
     roofline = memory_bandwidth()["copy_gbps"] * 1e9 / bytes_per_step(target.model, 1)
-    return {"method": "transformers generate (ar)", "eager tok/s": hf_rate,
-            "ours compiled / generate": ar_row["compiled tok/s"] / hf_rate, "roofline tok/s": roofline,
-            "compiled % of roofline": 100 * ar_row["compiled tok/s"] / roofline,
-            "eager % of roofline": 100 * ar_row["eager tok/s"] / roofline}
+    row = {"method": "transformers generate (ar)", "eager tok/s": hf_rate, "roofline tok/s": roofline,
+           "eager % of roofline": 100 * ar_row["eager tok/s"] / roofline}
+    for mode in modes:
+        row[f"ours {mode} / generate"] = ar_row[f"{mode} tok/s"] / hf_rate
+        row[f"{mode} % of roofline"] = 100 * ar_row[f"{mode} tok/s"] / roofline
+    return row
+
+
+def weight_sets(target, seed: int = 0) -> list[list[tuple[str, torch.Tensor]]]:
+    """Two full sets of the target's weights for `update_weights`: the loaded ones, and each matrix plus
+    noise of 2% of its own spread (a policy that drifted)."""
+    gen = torch.Generator().manual_seed(seed)
+    loaded = [(name, t.detach().clone()) for name, t in target.model.hf_parameters().items()
+              if t.is_floating_point()]
+    drifted = [(name, t + 0.02 * t.float().std() * torch.randn(t.shape, generator=gen).to(t.dtype)
+                if t.dim() == 2 else t.clone()) for name, t in loaded]
+    return [loaded, drifted]
+
+
+def graphs_compiled() -> int:
+    """Graphs dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def run_method(method: str, modes: list[str], target, draft, warm, timed, params, args) -> tuple[dict, dict]:
+    """One method: an eager engine and one compiled engine per mode, sharing the target and draft, a
+    warm-up call each, then turns prompt by prompt (with --update-every-call, new target weights before
+    each prompt). Returns the table row and each engine's outputs."""
+    spec = SpecConfig(method=method, k=args.k)
+    engines = {mode: RolloutEngine(target, spec, EngineConfig(max_batch_size=1, compile=mode if mode != "eager" else False),
+                                   None if method == "ar" else draft) for mode in ["eager"] + modes}
+    sets = weight_sets(target) if args.update_every_call else None
+    try:
+        warm_s = {}
+        for mode, engine in engines.items():
+            t0 = time.perf_counter()
+            engine.sample([warm], params)
+            warm_s[mode] = time.perf_counter() - t0
+        seconds, tokens, outputs = {m: 0.0 for m in engines}, {m: 0 for m in engines}, {m: [] for m in engines}
+        graphs_before, updates = graphs_compiled(), 0
+        for i, prompt in enumerate(timed):
+            if sets is not None:  # the engines share the target: one update reaches all of them
+                updates += 1
+                engines[modes[0]].update_weights(sets[(i + 1) % 2], version=updates)
+            for mode, engine in engines.items():
+                t0 = time.perf_counter()
+                out = engine.sample([prompt], params)[0]
+                seconds[mode] += time.perf_counter() - t0
+                tokens[mode] += len(out.token_ids)
+                outputs[mode].append(list(out.token_ids))
+        timed_graphs = graphs_compiled() - graphs_before
+        if sets is not None:  # leave the target as loaded for the next method
+            engines[modes[0]].update_weights(sets[0], version=updates + 1)
+        metrics = {mode: engine.metrics() for mode, engine in engines.items()}
+    finally:
+        for engine in engines.values():
+            engine.close()
+    rate = {m: tokens[m] / seconds[m] for m in engines}
+    row = {"method": method, "eager tok/s": rate["eager"]}
+    for mode in modes:
+        same = sum(a == b for a, b in zip(outputs["eager"], outputs[mode]))
+        row.update({f"{mode} tok/s": rate[mode], f"{mode}/eager": rate[mode] / rate["eager"],
+                    f"warm-up s {mode}": warm_s[mode], f"accept ({mode})": metrics[mode].get(names.SPEC_ACCEPT_RATE),
+                    f"same tokens ({mode})": f"{same}/{len(timed)}",
+                    f"first difference at ({mode})": [first_difference(a, b) for a, b in
+                                                      zip(outputs["eager"], outputs[mode])]})
+        if method == "ssd":
+            row[f"SSD rounds ({mode})"] = metrics[mode].get(names.SSD_STRATEGY_ROUNDS)
+    row.update({"warm-up s eager": warm_s["eager"], "updates": updates,
+                "graphs compiled in timed calls": timed_graphs})
+    return row, outputs
 
 
 def main(argv=None):
@@ -61,7 +137,14 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate and the roofline row")
+    p.add_argument("--compile", default="frozen",
+                   help="the compiled engines' kinds, comma-separated: frozen, live (one engine each)")
+    p.add_argument("--update-every-call", action="store_true",
+                   help="new target weights before every timed prompt (alternating loaded / drifted)")
     args = p.parse_args(argv)
+    modes = args.compile.split(",")
+    if not modes or any(m not in ("frozen", "live") for m in modes):
+        p.error(f"--compile takes frozen and/or live, got {args.compile!r}")
     target = load_pretrained("smollm2-135m-instruct", dtype="auto")
     draft = load_pretrained(resolve_draft("default", "smollm2-135m-instruct"), dtype="auto", with_tokenizer=False,
                             share_embedding_from=target.model)
@@ -70,37 +153,8 @@ def main(argv=None):
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
     rows, by_method = [], {}
     for method in args.methods.split(","):
-        spec = SpecConfig(method=method, k=args.k)
-        engines = {mode: RolloutEngine(target, spec, EngineConfig(max_batch_size=1, compile=mode == "compiled"),
-                                       None if method == "ar" else draft) for mode in ("eager", "compiled")}
-        try:
-            warm_s = {}
-            for mode, engine in engines.items():
-                t0 = time.perf_counter()
-                engine.sample([warm], params)
-                warm_s[mode] = time.perf_counter() - t0
-            seconds, tokens, outputs = {m: 0.0 for m in engines}, {m: 0 for m in engines}, {m: [] for m in engines}
-            for prompt in timed:
-                for mode, engine in engines.items():
-                    t0 = time.perf_counter()
-                    out = engine.sample([prompt], params)[0]
-                    seconds[mode] += time.perf_counter() - t0
-                    tokens[mode] += len(out.token_ids)
-                    outputs[mode].append(list(out.token_ids))
-            rate = {m: tokens[m] / seconds[m] for m in engines}
-            metrics = {mode: engine.metrics() for mode, engine in engines.items()}
-            accept = metrics["compiled"].get(names.SPEC_ACCEPT_RATE)
-        finally:
-            for engine in engines.values():
-                engine.close()
-        rows.append({"method": method, "eager tok/s": rate["eager"], "compiled tok/s": rate["compiled"],
-                     "compiled/eager": rate["compiled"] / rate["eager"], "warm-up s eager": warm_s["eager"],
-                     "warm-up s compiled": warm_s["compiled"], "accept (compiled)": accept,
-                     "SSD rounds eager / compiled": [metrics[m].get(names.SSD_STRATEGY_ROUNDS) for m in engines]
-                     if method == "ssd" else None,
-                     "same tokens": f"{sum(a == b for a, b in zip(outputs['eager'], outputs['compiled']))}/{len(timed)}",
-                     "first difference at": [first_difference(a, b) for a, b in zip(outputs["eager"],
-                                                                                      outputs["compiled"])]})
+        row, outputs = run_method(method, modes, target, draft, warm, timed, params, args)
+        rows.append(row)
         by_method[method] = outputs["eager"]
         print(rows[-1], flush=True)
     if "ar" in by_method:  # the same rounding question between two eager engines: AR's decode, SD's verify
@@ -109,7 +163,8 @@ def main(argv=None):
                 print(f"eager {method} against eager ar, first difference at:",
                       [first_difference(a, b) for a, b in zip(by_method["ar"], outs)])
     if "ar" in by_method and not args.no_hf:
-        rows.append(against_generate(target, timed, args.new_tokens, next(r for r in rows if r["method"] == "ar")))
+        ar_row = next(r for r in rows if r["method"] == "ar")
+        rows.append(against_generate(target, timed, args.new_tokens, ar_row, modes))
         print(rows[-1], flush=True)
     print(f"dtype auto: {describe_auto_dtype()}")
     print_table(rows)

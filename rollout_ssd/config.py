@@ -95,6 +95,7 @@ class SpecConfig:
 
 
 ATTENTION = ("auto", "sdpa", "triton")
+COMPILE = ("frozen", "live")  # EngineConfig.compile's modes (rollout_ssd/gpu/graphs.py)
 
 
 @dataclass(frozen=True)
@@ -111,11 +112,13 @@ class EngineConfig:
     (rollout_ssd/gpu/graphs.py), captured as CUDA graphs on a CUDA device; on a CPU they run eagerly
     (correct, and slower than the default path: for tests).
     compile: (CPU target) decode and verify steps of the target and of SD's draft run as static-shape
-    steps compiled by inductor with the weights frozen in (rollout_ssd/gpu/graphs.py, `StaticStep.compile`;
-    verify rows padded to k + 1 tokens so that one shape per batch bucket serves every verify). Each shape
-    compiles on first use, which takes minutes on a small CPU: for long fixed-weight jobs (offline
-    generation, evaluation, serving). A write to a model's weights (an update) drops its compiled steps,
-    and its forwards run eagerly from then on, as after a compile that fails; on CUDA use cuda_graphs.
+    steps compiled by inductor (rollout_ssd/gpu/graphs.py, `StaticStep.compile`; verify rows padded to
+    k + 1 tokens so that one shape per batch bucket serves every verify). False: not compiled; "frozen"
+    (or True): the weights folded into the graphs, the fastest steps, for fixed weights (offline
+    generation, evaluation, serving): a write to a model's weights (an update) turns its steps into live
+    ones, compiled anew; "live": the weights stay the graphs' inputs, so the steps follow every update
+    with no recompile (RL). Each shape compiles on first use, which takes a minute or more on a small
+    CPU. A compile that fails leaves the forwards eager. On CUDA use cuda_graphs.
     attention: the attention backend of the models the engine runs (models/attention.py): "sdpa"
     (PyTorch SDPA with a dense visibility mask), "triton" (the span-based Triton kernel for decode,
     verify and SSD's tree steps; prefill stays on SDPA; opt-in: it has not run on a GPU yet), or "auto"
@@ -129,7 +132,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cuda_graphs: bool = False
     attention: str = "auto"
-    compile: bool = False
+    compile: Union[bool, str] = False
 
     def __post_init__(self):
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -143,8 +146,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be a number in (0, 1], got {util!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"EngineConfig.cuda_graphs must be a bool, got {self.cuda_graphs!r}")
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"EngineConfig.compile must be a bool, got {self.compile!r}")
+        if not isinstance(self.compile, bool) and self.compile not in COMPILE:
+            raise ValueError(f"EngineConfig.compile must be a bool, {COMPILE[0]!r} or {COMPILE[1]!r}, "
+                             f"got {self.compile!r}")
         if self.compile and self.cuda_graphs:
             raise ValueError("EngineConfig.compile and cuda_graphs exclude each other (compile: CPU; graphs: CUDA)")
         if self.attention not in ATTENTION:

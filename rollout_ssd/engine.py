@@ -122,7 +122,7 @@ class RolloutEngine:
             from rollout_ssd.gpu.graphs import MAX_STEP_TOKENS
 
             verify = spec.k + 1 if spec.method != "ar" and spec.k + 1 <= MAX_STEP_TOKENS else None
-            self.runner.use_static_steps(compiled=True, pad_t=verify)
+            self.runner.use_static_steps(compiled=engine.compile, pad_t=verify)
         self.stats = EngineMetrics()
         self.edges = Edges(target, self.max_model_len)
         self.target_updates = UpdateQueue(TargetWeights(target.model.hf_parameters, self.stats), self._apply_when_idle)

@@ -76,9 +76,10 @@ def _draft_model(ctx: BuildContext):
 
     draft = ctx.checked_draft("SpecConfig.speculator='draft'")
     static = ctx.runner.static  # the target's steps compiled (EngineConfig.compile): the draft's too
-    compiled = static is not None and static.compiled and static.pad_t is not None
+    compiled = static.compiled if static is not None and static.pad_t is not None else None
     return DraftModelSpeculator(draft.model, ctx.runner.cache.num_slots, ctx.max_model_len,
-                                stop_prob=float(ctx.spec.stop_prob), compiled_k=ctx.spec.k if compiled else None)
+                                stop_prob=float(ctx.spec.stop_prob), compiled_k=ctx.spec.k if compiled else None,
+                                compile_mode=compiled or "frozen")
 
 
 def _suffix(ctx: BuildContext):

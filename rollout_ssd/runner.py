@@ -26,11 +26,11 @@ class ModelRunner:
         self.cache = KVCache(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim,
                              dtype=model.dtype, device=self.device)
 
-    def use_static_steps(self, buckets=None, graphs: Optional[bool] = None, compiled: bool = False,
+    def use_static_steps(self, buckets=None, graphs: Optional[bool] = None, compiled=False,
                          pad_t: Optional[int] = None) -> None:
         """Run equal-length batches (and, with pad_t, ragged verify rows padded to pad_t tokens) through
         static-shape steps per batch bucket (rollout_ssd/gpu/graphs.py), captured as CUDA graphs on a
-        CUDA device, compiled with the weights frozen in on a CPU with `compiled`; rows they do not
+        CUDA device, compiled on a CPU with `compiled` ("frozen" or True, "live"); rows they do not
         cover, and explicit positions or masks still run eagerly. On a CPU without
         `compiled` the static steps run eagerly (what the tests check). Head-only logits (a draft's
         restricted head) have steps of their own."""

@@ -190,11 +190,11 @@ def test_padded_verify_rows_run_as_one_step_and_match_the_eager_runner(tiny):
 
 
 @needs_cxx
-def test_compiled_steps_match_the_eager_runner_and_are_dropped_when_a_weight_is_written(tiny):
-    """EngineConfig.compile's steps (inductor, weights frozen in): decode and padded verify logits equal
-    the eager forward's within float32 reordering error, over several steps (the K/V cache is written
-    and read as data, not frozen). A write to one weight (an update) drops the compiled step, whose
-    frozen copy would be stale: the step then follows the new weights."""
+def test_frozen_steps_match_the_eager_runner_and_turn_live_when_a_weight_is_written(tiny):
+    """EngineConfig.compile's frozen steps (inductor, weights folded in): decode and padded verify logits
+    equal the eager forward's within float32 reordering error, over several steps (the K/V cache is
+    written and read as data, not frozen). A write to one weight (an update) drops the frozen steps,
+    whose copies would be stale: live steps replace them and follow the new weights."""
     eager = ModelRunner(tiny, num_slots=3, max_len=32)
     static = ModelRunner(tiny, num_slots=3, max_len=32)
     static.use_static_steps(buckets=(1, 2, 4), compiled=True, pad_t=4)
@@ -217,16 +217,91 @@ def test_compiled_steps_match_the_eager_runner_and_are_dropped_when_a_weight_is_
             runner.prefill([1], [[4]])
         rows = [[1], [2], [3]]
         _same_valid_logits(static.extend([2, 0, 1], rows), eager.extend([2, 0, 1], rows), [1, 1, 1])
-        assert static.static.retired and not static.static.steps
+        assert static.static.compiled == "live" and not static.static.retired
+        assert {step.mode for step in static.static.steps.values()} == {"live"}
+        assert any(key.rows == 4 for key in static.static.steps)  # the bucket first met after the write
     finally:
         with torch.no_grad():
             tiny.layers[0].wo.div_(1.5)
 
 
+def _graphs_per_step(steps: dict) -> dict:
+    """StepKey -> the graphs dynamo holds for that compiled step (each step runs its own code object)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return {key: len(_debug_get_cache_entry_list(type(step.compiled._orig_mod).forward.__code__))
+            for key, step in steps.items()}
+
+
+@needs_cxx
+def test_live_steps_follow_weight_writes_without_a_recompile(tiny):
+    """Live compiled steps (EngineConfig.compile="live") read the weights on every call: after in-place
+    writes to a layer matrix and to the LM head (what an update does) their logits still equal the
+    eager forward's within float32 reordering error, the same step objects serve, and dynamo compiles
+    no new graph."""
+    eager, static = _eager_and_static(tiny, compiled="live", pad_t=4)
+    rows = ([[3], [4]], [[5, 6], [7]])
+    for batch in rows:
+        _same_valid_logits(static.extend([2, 0], batch), eager.extend([2, 0], batch), [len(r) for r in batch])
+    steps, graphs = dict(static.static.steps), _graphs_per_step(static.static.steps)
+    try:
+        with torch.no_grad():
+            tiny.layers[1].w_gate_up.mul_(1.5)
+            tiny.lm_head.mul_(0.5)
+        for batch in rows + ([[8], [9]],):
+            _same_valid_logits(static.extend([2, 0], batch), eager.extend([2, 0], batch), [len(r) for r in batch])
+        assert static.static.steps == steps and _graphs_per_step(steps) == graphs
+        assert all(step.mode == "live" for step in steps.values())
+    finally:
+        with torch.no_grad():
+            tiny.layers[1].w_gate_up.div_(1.5)
+            tiny.lm_head.div_(0.5)
+
+
+def test_the_live_packed_linear_op_is_onednns_packed_linear_and_pack_live_repacks_after_a_write():
+    """The op live bf16 steps call (cpu_backend: `rollout_ssd::packed_linear`) gives exactly the eager
+    packed linear's result, also inside a compiled function (it runs as an opaque kernel there); and
+    `pack_live` remakes a weight's packed copy after an in-place write, and only then."""
+    from rollout_ssd.models import cpu_backend
+
+    if not cpu_backend.packed_bf16():
+        pytest.skip("no native bf16 on this CPU: live bf16 steps use F.linear over the weights")
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 32, generator=gen).to(torch.bfloat16)
+    b = torch.randn(48, generator=gen).to(torch.bfloat16)
+    x = torch.randn(5, 32, generator=gen).to(torch.bfloat16)
+    copies = cpu_backend.WeightCopies()
+    with torch.inference_mode():
+        expected = cpu_backend.packed_linear(x, w, copies, "w", b)
+        packed = copies.get("w:packed", w, cpu_backend._pack)
+        assert torch.equal(torch.ops.rollout_ssd.packed_linear(x, packed, b, 48), expected)
+        compiled = torch.compile(lambda x, p, b: torch.ops.rollout_ssd.packed_linear(x, p, b, 48) * 2, fullgraph=True)
+        assert torch.equal(compiled(x, packed, b), expected * 2)
+
+    class Model:  # what pack_live reads of a Decoder
+        dtype, embed = torch.bfloat16, w
+        layers = [type("Layer", (), {"row_major": cpu_backend.WeightCopies(), "wqkv": w, "wo": w,
+                                     "w_gate_up": w, "w_down": w})()]
+        lm_head, copies = w, cpu_backend.WeightCopies()
+
+    cpu_backend.pack_live(Model)
+    first = Model.layers[0].row_major.live["wo"]
+    cpu_backend.pack_live(Model)
+    assert Model.layers[0].row_major.live["wo"] is first  # nothing written: not repacked
+    with torch.no_grad():
+        w.mul_(2)
+    cpu_backend.pack_live(Model)
+    again = Model.layers[0].row_major.live["wo"]
+    assert again is not first and set(Model.copies.live) == {"lm_head"}
+    with torch.inference_mode():
+        assert torch.equal(torch.ops.rollout_ssd.packed_linear(x, again, None, 48),
+                           torch.nn.functional.linear(x, w))
+
+
 def test_a_failed_compile_leaves_the_forward_to_the_eager_path(tiny, monkeypatch):
     """A compile that fails (no C++ compiler, an inductor error) retires the compiled steps: that forward
     and every later one run eagerly, with the eager runner's results; nothing was advanced twice."""
-    def failing(step):
+    def failing(step, mode="frozen"):
         def compiled(*args):
             raise RuntimeError("no compiler")
         step.compiled = compiled
@@ -239,11 +314,16 @@ def test_a_failed_compile_leaves_the_forward_to_the_eager_path(tiny, monkeypatch
     assert static.static.retired and not static.static.steps
 
 
-def test_compile_is_a_bool_and_excludes_cuda_graphs():
+def test_compile_is_a_bool_or_a_mode_and_excludes_cuda_graphs(tiny):
     from rollout_ssd import EngineConfig
 
-    with pytest.raises(ValueError, match="EngineConfig.compile must be a bool"):
+    with pytest.raises(ValueError, match="EngineConfig.compile must be a bool, 'frozen' or 'live', got 'yes'"):
         EngineConfig(compile="yes")
+    assert EngineConfig(compile="live").compile == "live"
+    with pytest.raises(ValueError, match="compiled must be a bool or one of"):
+        GraphedSteps(tiny, ModelRunner(tiny, num_slots=1, max_len=8).cache, compiled="warm")
+    with pytest.raises(ValueError, match="compile mode must be one of"):
+        StaticStep(tiny, ModelRunner(tiny, num_slots=1, max_len=8).cache, 1, 1).compile("warm")
     with pytest.raises(ValueError, match="exclude each other"):
         EngineConfig(compile=True, cuda_graphs=True)
 
@@ -270,3 +350,38 @@ def test_sd_engine_with_compiled_steps_gives_the_default_engines_greedy_tokens(t
             assert any(key.head_only for key in draft_static.steps)  # the restricted head's own steps
         engine.close()
     assert out[True] == out[False]
+
+
+@needs_cxx
+def test_live_compiled_sd_engine_follows_update_weights_with_the_eager_engines_tokens(tmp_path):
+    """An RL-shaped use of EngineConfig(compile="live"): SD with compiled target and draft steps, a call,
+    a target update through `update_weights`, another call. Both calls give the eager engine's greedy
+    tokens under the same weights, and the steps compiled before the update serve after it with no
+    recompile (a shape first met after it compiles once, as before any update)."""
+    from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig
+    from tests.support.models import tiny_pair
+
+    target, draft = tiny_pair(tmp_path, vocab=48)
+    params = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+    prompts = [[1, 2, 3], [4, 5]]
+    engines = {mode: RolloutEngine(target, SpecConfig(method="sd", k=3), EngineConfig(
+        max_batch_size=2, max_model_len=64, compile=mode), draft=draft) for mode in (False, "live")}
+    loaded = {name: t.detach().clone() for name, t in target.model.hf_parameters().items()}
+    drifted = [(name, t * 1.3 if t.dim() == 2 else t) for name, t in loaded.items()]
+    try:
+        before = {mode: [r.token_ids for r in e.sample(prompts, params)] for mode, e in engines.items()}
+        engines["live"].update_weights(drifted, version=1)  # the engines share the target: both see it
+        runners = (engines["live"].runner, engines["live"].strategy.speculator.runner)  # target, draft
+        steps = [dict(runner.static.steps) for runner in runners]
+        graphs = [_graphs_per_step(s) for s in steps]
+        after = {mode: [r.token_ids for r in e.sample(prompts, params)] for mode, e in engines.items()}
+        for runner, before_steps, before_graphs in zip(runners, steps, graphs):
+            assert all(runner.static.steps[key] is step for key, step in before_steps.items())
+            assert _graphs_per_step(before_steps) == before_graphs
+        assert before[False] == before["live"] and after[False] == after["live"]
+        assert after[False] != before[False]  # the update changed what is generated
+        assert all(step.mode == "live" for step in engines["live"].runner.static.steps.values())
+    finally:
+        engines["live"].update_weights(list(loaded.items()), version=2)
+        for engine in engines.values():
+            engine.close()

@@ -12,10 +12,13 @@ holds the batch; unused rows write into the KV cache's scratch slot and are drop
 On CUDA each step is captured once (warm-up on a side stream, then `torch.cuda.graph`, all buckets
 sharing one memory pool, largest first as in nano-vllm) and replayed; on a CPU the same function runs
 eagerly, which is how its results are tested against `Decoder.forward`, or, with `compiled`
-(EngineConfig.compile), as one inductor graph per step with the weights frozen in: there the per-op
-cost of ~120 small calls per eager step goes, the batch-1 GEMMs run on inductor's C++ templates, and
-attention reads only the used cache length (the one dynamic size). A compiled step is for fixed
-weights: `GraphedSteps` drops every compiled step when any weight is written.
+(EngineConfig.compile), as one inductor graph per step: there the per-op cost of ~120 small calls per
+eager step goes, and attention reads only the used cache length (the one dynamic size). Two kinds:
+- "frozen": the weights folded into the graph as constants, packed by inductor, the batch-1 GEMMs on
+  its C++ templates where they measure faster: the fastest step, for fixed weights. A write to any
+  weight turns the frozen steps into live ones (compiled anew, once);
+- "live": the weights stay the graph's inputs, so a step follows every update (RL) with no recompile;
+  bf16 linears run oneDNN's packed kernels over copies `cpu_backend.pack_live` repacks after a write.
 
 Costs of the static form under SDPA: attention reads the full `max_len` of each slot (masked) and
 gathers the batch's slots per layer, so it pays off where launch overhead dominates (small batches,
@@ -34,6 +37,7 @@ import torch
 
 from rollout_ssd.kv_cache import KVCache
 from rollout_ssd.models.attention import KeyLayout
+from rollout_ssd.models.cpu_backend import live_steps, pack_live
 from rollout_ssd.models.decoder import Decoder, rms_norm
 
 log = logging.getLogger(__name__)
@@ -83,7 +87,10 @@ class StaticStep:
         self.slot = torch.full((rows,), cache.scratch_slot, dtype=torch.long, device=device)
         self.output: Optional[torch.Tensor] = None
         self.graph = None  # a torch.cuda.CUDAGraph once captured
-        self.compiled = None  # `forward` compiled by inductor with the weights frozen in (CPU: `compile`)
+        self.compiled = None  # `forward` compiled by inductor (CPU: `compile`)
+        self.mode: Optional[str] = None  # "frozen" | "live": how the compiled step holds the weights
+        self._modules: list = []  # a live step's model modules, listed once (`weights_key`)
+        self._packed_for: Optional[tuple] = None  # the weights a live step's packed copies were last made for
         self.ran = False  # whether `run` has completed once (a compiled step's compile is in its first run)
 
     def load(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], starts: Sequence[int]) -> None:
@@ -150,18 +157,23 @@ class StaticStep:
             self.output = self.forward()
         self.graph = graph
 
-    def compile(self) -> None:
-        """Compile `forward` with inductor (CPU): the whole step as one graph, the weights folded in as
-        constants and packed once, the matmuls by inductor's C++ GEMM templates where they measure
-        faster (`compile_options`). The compile itself runs on the first `run`. The frozen graph holds its
-        own copies of the weights: `GraphedSteps` drops every compiled step once any weight is written.
+    def compile(self, mode: str = "frozen") -> None:
+        """Compile `forward` with inductor (CPU) as one graph (`compile_options`); the compile itself
+        runs on the first `run`. mode "frozen": the weights folded in as constants and packed once, the
+        matmuls on inductor's C++ GEMM templates where they measure faster; the graph holds its own copies
+        of the weights, so `GraphedSteps` drops it once any weight is written. mode "live": the weights
+        are read on every call (the bf16 linears through `cpu_backend.pack_live`'s copies).
         Each step compiles its own copy of the module's code: dynamo keeps its graphs per code object and
         guards a frozen weight by identity, not content, so a step sharing the code would reuse another
         step's graph (a dynamic row count serves every bucket), stale weights included, and keep it alive."""
-        code = _StepModule.forward.__code__.replace(co_name=f"step_{self.rows}x{self.t}")
-        own = type(f"_Step{self.rows}x{self.t}", (_StepModule,),
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
+        name = f"{mode}_{self.rows}x{self.t}"
+        code = _StepModule.forward.__code__.replace(co_name=f"step_{name}")
+        own = type(f"_Step_{name}", (_StepModule,),
                    {"forward": types.FunctionType(code, _StepModule.forward.__globals__)})
-        self.compiled = torch.compile(own(self), fullgraph=True)
+        self.compiled, self.mode = torch.compile(own(self), fullgraph=True), mode
+        self._modules = list(self.model.modules()) if mode == "live" else []
 
     @torch.inference_mode()
     def run(self, read_len: Optional[int] = None) -> torch.Tensor:
@@ -178,17 +190,31 @@ class StaticStep:
             # holds its graphs, far below dynamo's limit per code object);
             # torch.compile's `options` did not reach freezing in this torch (2.13): the step then ran
             # unfrozen, no faster than eager
-            with torch._inductor.config.patch(compile_options(self.t)):
+            live = self.mode == "live"
+            if live:  # packed copies remade where a weight was written since (the key: 3x cheaper to check)
+                key = weights_key(self._modules)
+                if key != self._packed_for:
+                    pack_live(self.model)
+                    self._packed_for = key
+            with torch._inductor.config.patch(compile_options(self.t, self.mode)), live_steps(live):
                 return self.compiled(read, self.tokens, self.positions, self.slot, self.cache.keys,
                                      self.cache.values)
         return self.forward()
 
 
-def compile_options(t: int) -> dict:
-    """inductor's options for a compiled CPU step of t tokens per row: the weights frozen in (constant-
-    folded, packed once); for one token (decode) the GEMMs are also autotuned between ATen's (oneDNN)
+COMPILE_MODES = ("frozen", "live")
+
+
+def compile_options(t: int, mode: str = "frozen") -> dict:
+    """inductor's options for a compiled CPU step of t tokens per row. Frozen: the weights constant-
+    folded and packed once; for one token (decode) the GEMMs are also autotuned between ATen's (oneDNN)
     and inductor's C++ templates, which win there; a verify's few rows run faster on oneDNN's packed
-    kernels than on the templates, autotuning or not (bench/probe_compiled_step.py, bench/RESULTS.md)."""
+    kernels than on the templates, autotuning or not (bench/probe_compiled_step.py, bench/RESULTS.md).
+    Live: no freezing (the weights stay inputs) and no autotuning (the templates need frozen weights);
+    a producer of more than 4 ops (an RMS norm, an embedding lookup) is computed once into a buffer where
+    inductor would otherwise inline it into the one-row linears' reduction loops, once per output row."""
+    if mode == "live":
+        return {"freezing": False, "max_autotune": False, "realize_opcount_threshold": 4}
     if t == 1:
         return {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
     return {"freezing": True, "max_autotune": False}
@@ -207,6 +233,18 @@ class _StepModule(torch.nn.Module):
         return self.step[0].step(tokens, positions, slot, k_caches, v_caches, read.shape[0])
 
 
+def compile_mode(compiled) -> Optional[str]:
+    """GraphedSteps' `compiled` (EngineConfig.compile's values) as None, "frozen" or "live": False and
+    None are not compiled, True is "frozen"."""
+    if compiled is None or compiled is False:
+        return None
+    if compiled is True:
+        return "frozen"
+    if compiled not in COMPILE_MODES:
+        raise ValueError(f"compiled must be a bool or one of {COMPILE_MODES}, got {compiled!r}")
+    return compiled
+
+
 def weights_key(modules: list) -> tuple:
     """Every parameter of these modules (a model's `modules()`, listed once: walking the module tree on
     every step costs several times more, bench/weights_check_cost.py) by identity, storage and version
@@ -219,7 +257,8 @@ class GraphedSteps:
     """Static steps per (bucket, t) over one model and cache; `run` routes a batch to its bucket.
 
     graphs: capture on CUDA (None = capture exactly when the model is on a CUDA device). compiled (CPU):
-    compile each step (`StaticStep.compile`). pad_t: rows of 2..pad_t new tokens, ragged or not (a
+    compile each step (`StaticStep.compile`), "frozen" (True) or "live"; a write to any weight turns
+    frozen steps into live ones. pad_t: rows of 2..pad_t new tokens, ragged or not (a
     verify of chains that stopped early), run as one pad_t-token step, each row padded with copies of
     its last token: a compiled shape per bucket for every verify, at the cost of computing the padding.
     A padded query is causal like the others, so the rows' own queries see exactly what they would
@@ -227,12 +266,13 @@ class GraphedSteps:
     step is built (and captured) on first use, or up front with `prepare`."""
 
     def __init__(self, model: Decoder, cache: KVCache, buckets: Sequence[int] = BUCKETS,
-                 graphs: Optional[bool] = None, compiled: bool = False, pad_t: Optional[int] = None):
+                 graphs: Optional[bool] = None, compiled=False, pad_t: Optional[int] = None):
         if not buckets or any(not isinstance(b, int) or b < 1 for b in buckets):
             raise ValueError(f"graph buckets must be positive integers, got {tuple(buckets)!r}")
         on_cuda = model.embed.device.type == "cuda"
         if graphs and not on_cuda:
             raise ValueError("graphs=True needs the model on a CUDA device")
+        compiled = compile_mode(compiled)
         if compiled and on_cuda:
             raise ValueError("compiled steps are for a CPU model; on CUDA, steps are captured as graphs")
         if pad_t is not None and not 2 <= pad_t <= MAX_STEP_TOKENS:
@@ -241,17 +281,22 @@ class GraphedSteps:
         self.buckets = tuple(sorted(set(buckets)))
         self.graphs = on_cuda if graphs is None else graphs
         self.compiled, self.pad_t = compiled, pad_t
-        self.retired = False  # compiled steps given up (a weight was written, or a compile failed)
+        self.retired = False  # compiled steps given up (a compile failed)
         self.steps: dict[StepKey, StaticStep] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
-        self._modules = list(model.modules()) if compiled else []
-        self._weights = weights_key(self._modules)  # what the compiled steps freeze in
+        self._modules = list(model.modules()) if compiled == "frozen" else []
+        self._weights = weights_key(self._modules)  # what the frozen steps fold in
 
     def _retire(self, why: str) -> None:
-        """Drop every compiled step (their graphs hold stale or no weights) and leave every forward to
-        the runner's eager path from now on."""
+        """Drop every compiled step and leave every forward to the runner's eager path from now on."""
         log.warning("compiled steps dropped (%s): the engine runs eagerly from now on", why)
         self.retired, self.steps = True, {}
+
+    def _thaw(self) -> None:
+        """A weight was written under frozen steps (their graphs hold the old weights): drop them, and
+        compile live steps from now on (they follow every later write)."""
+        log.warning("the model's weights changed: frozen compiled steps dropped, live ones compile from now on")
+        self.compiled, self.steps, self._modules = "live", {}, []
 
     def prepare(self, t: int, buckets: Optional[Sequence[int]] = None) -> None:
         """Build (and capture) the steps of `t` tokens for these buckets, largest first so smaller
@@ -267,8 +312,8 @@ class GraphedSteps:
             if self.graphs:
                 step.capture(self._pool)
             elif self.compiled:
-                log.info("compiling the %dx%d step (inductor, on its first run)", key.rows, key.t)
-                step.compile()
+                log.info("compiling the %s %dx%d step (inductor, on its first run)", self.compiled, key.rows, key.t)
+                step.compile(self.compiled)
             self.steps[key] = step
         return step
 
@@ -280,13 +325,12 @@ class GraphedSteps:
     def step_tokens(self, slots: Sequence[int], num_new: Sequence[int]) -> Optional[int]:
         """The t of the step that runs rows of these lengths (pad_t for padded rows), None where none
         does: ragged rows without padding, a padded step that would write past the cache, and (compiled)
-        any length but 1 and pad_t. Compiled: None once any weight was written since the steps were made
-        (every compiled step is then dropped, `retired`)."""
+        any length but 1 and pad_t, and every row once a compile failed (`retired`). Frozen: a weight
+        written since the steps were made turns them into live steps (`_thaw`)."""
         if self.retired:
             return None
-        if self.compiled and weights_key(self._modules) != self._weights:
-            self._retire("the model's weights changed")
-            return None
+        if self.compiled == "frozen" and weights_key(self._modules) != self._weights:
+            self._thaw()
         t = max(num_new)
         if self.pad_t is not None and 1 < t <= self.pad_t:
             t = self.pad_t

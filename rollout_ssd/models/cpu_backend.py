@@ -9,6 +9,10 @@ another order), never the model:
 - the LM head: its GEMM form by row count (`head_matmul`);
 - bf16 on a CPU with bf16 units: oneDNN's linear over weights it packed once (`packed_linear`), bitwise
   equal to F.linear and faster;
+- inside a live compiled step (graphs.py, EngineConfig.compile="live"): a one-row bf16 linear as a
+  float32 reduction over the weight itself, which inductor fuses into one loop that streams the weight
+  (oneDNN's few-row kernels read it more slowly there), and more rows as oneDNN's packed linear over
+  copies `pack_live` keeps current (`rollout_ssd::packed_linear`, an op inductor calls as is);
 - dtype "auto": bfloat16 where the CPU runs bf16 matmuls natively, else float32 (`auto_dtype`).
 
 The CPU kind is read once per process (`cpu_kind`). Measurements behind these choices are in
@@ -17,6 +21,7 @@ bench/RESULTS.md ("GEMM widths", "bfloat16 and dtype auto"); bench/bench_gemm.py
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import Optional
@@ -99,6 +104,7 @@ class WeightCopies:
 
     def __init__(self):
         self._copies: dict[str, tuple[torch.Tensor, torch.Tensor, tuple[int, int]]] = {}
+        self.live: dict[str, torch.Tensor] = {}  # packed copies a live compiled step reads (`pack_live`)
 
     def get(self, name: str, w: torch.Tensor, make) -> torch.Tensor:
         hit = self._copies.get(name)
@@ -163,14 +169,76 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,
                   bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """F.linear(x, w, bias) over the packed copy of a frozen bf16 CPU weight, or None where that form
-    does not apply (other dtypes, devices, training, more than PACKED_BF16_MAX_ROWS rows)."""
+    does not apply (other dtypes, devices, training, more than PACKED_BF16_MAX_ROWS rows). Inside a
+    compiled step: over the copy `pack_live` made, where the step is a live one (`live_steps`), else
+    None (a frozen step's F.linear, which inductor packs itself)."""
     m = x.numel() // x.shape[-1]
+    if torch.compiler.is_compiling():
+        if not _LIVE:
+            return None
+        if m == 1 and w.dtype == torch.bfloat16:  # one row: a reduction inductor streams the weight through
+            out = (w.float() * x.reshape(1, -1).float()).sum(-1)
+            out = (out if bias is None else out + bias.float()).to(x.dtype)
+        else:
+            packed = copies.live.get(name)
+            if packed is None:
+                return None
+            out = torch.ops.rollout_ssd.packed_linear(x.reshape(m, x.shape[-1]), packed, bias, w.shape[0])
+        return out.view(*x.shape[:-1], w.shape[0])
     if w.dtype != torch.bfloat16 or not w.is_cpu or w.requires_grad or x.requires_grad \
-            or m > PACKED_BF16_MAX_ROWS or torch.compiler.is_compiling() or not packed_bf16():
+            or m > PACKED_BF16_MAX_ROWS or not packed_bf16():
         return None
     out = torch.ops.mkldnn._linear_pointwise(x.reshape(m, x.shape[-1]), copies.get(name + ":packed", w, _pack),
                                              bias, "none", [], "")
     return out.view(*x.shape[:-1], w.shape[0])
+
+
+# Live compiled steps (EngineConfig.compile = "live"; rollout_ssd/gpu/graphs.py): the weights stay graph
+# inputs, so a step follows every weight update without a recompile. inductor lowers oneDNN's packed
+# linear only over weights it froze itself, so here the linear is an op of this package that inductor
+# calls as an opaque kernel: oneDNN's packed linear over the copy `pack_live` keeps current.
+_LIBRARY = torch.library.Library("rollout_ssd", "DEF")
+_LIBRARY.define("packed_linear(Tensor x, Tensor packed, Tensor? bias, SymInt n) -> Tensor")
+_LIBRARY.impl("packed_linear", lambda x, packed, bias, n: torch.ops.mkldnn._linear_pointwise(
+    x, packed, bias, "none", [], ""), "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("rollout_ssd::packed_linear")
+def _packed_linear_shape(x, packed, bias, n):
+    return x.new_empty(x.shape[0], n)
+
+
+_LIVE = False  # whether a live step is being compiled or run (dynamo guards its graphs on this value)
+
+
+@contextlib.contextmanager
+def live_steps(on: bool = True):
+    """Within: compiled steps use `pack_live`'s copies (live) rather than F.linear (frozen)."""
+    global _LIVE
+    before, _LIVE = _LIVE, on
+    try:
+        yield
+    finally:
+        _LIVE = before
+
+
+def pack_live(model) -> None:
+    """Bring the packed copies a live compiled step reads (`WeightCopies.live`) up to date with a bf16
+    CPU model's linear weights: each is repacked only where its weight was written or replaced since
+    (`WeightCopies.get`). A no-op where the packed form does not apply (a float32 model's live steps
+    read the weights themselves)."""
+    if not (packed_bf16() and model.dtype == torch.bfloat16 and model.embed.is_cpu):
+        return
+    with torch.inference_mode():
+        for w, copies, name in _linear_weights(model):
+            copies.live[name] = copies.get(name + ":packed", w, _pack)
+
+
+def _linear_weights(model) -> list:
+    """(weight, its WeightCopies, name) for every linear of a Decoder: the layers' four, and the LM head."""
+    out = [(getattr(layer, name), layer.row_major, name) for layer in model.layers
+           for name in ("wqkv", "wo", "w_gate_up", "w_down")]
+    return out + [(model.lm_head, model.copies, "lm_head")]
 
 
 # Attention of a few queries per row over a 16-bit CPU cache (decode, verify, SSD's tree steps): PyTorch's

@@ -42,16 +42,17 @@ class DraftModelSpeculator(Speculator):
     name = "draft"
 
     def __init__(self, model: Decoder, num_slots: int, max_len: int, stop_prob: float = 0.0,
-                 compiled_k: Optional[int] = None):
+                 compiled_k: Optional[int] = None, compile_mode: str = "frozen"):
         """compiled_k: compile the draft's decode and catch-up steps (EngineConfig.compile; catch-ups of
-        up to compiled_k + 1 tokens padded to one shape), dropped like the target's when its weights change."""
+        up to compiled_k + 1 tokens padded to one shape) as `compile_mode` steps ("frozen" or "live"):
+        frozen ones turn live when the draft's weights change, as the target's do."""
         if not 0.0 <= stop_prob < 1.0:
             raise ValueError(f"stop_prob must be in [0, 1), got {stop_prob!r}")
         self.model = model
         self.stop_prob = stop_prob
         self.runner = ModelRunner(model, num_slots=num_slots, max_len=max_len)
         if compiled_k is not None:
-            self.runner.use_static_steps(compiled=True, pad_t=compiled_k + 1)
+            self.runner.use_static_steps(compiled=compile_mode, pad_t=compiled_k + 1)
         self.slot: dict[int, int] = {}  # id(seq) -> draft slot
         self.cached: dict[int, int] = {}  # id(seq) -> tokens of the sequence in the draft cache
         self.generators: dict[int, torch.Generator] = {}
