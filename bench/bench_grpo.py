@@ -3,9 +3,12 @@
     .venv/bin/python bench/bench_grpo.py                      # full: 3-step AR/SD/SSD runs + 2 x 30-step drift runs
     .venv/bin/python bench/bench_grpo.py --quick              # minutes: 2 + 2 x 3 steps
     .venv/bin/python bench/bench_grpo.py --ray                # the same through Ray actors
+    .venv/bin/python bench/bench_grpo.py --skip drift,rule --compile off,live   # eager and live-compiled rollouts
 
 Part 1 (throughput): the same GRPO run (same prompts, seeds, learner) with rollouts by AR, SD and SSD
-(strategy rule on), `--compare-steps` steps each: rollout tokens/s per step, acceptance, hit rate, what
+(strategy rule on), `--compare-steps` steps each, once per `--compile` kind (EngineConfig.compile: off,
+live, frozen; a compiled engine compiles each batch bucket's steps on first use, so in step 1 mostly):
+rollout tokens/s per step, acceptance, hit rate, what
 the rule chose, and the share of step time in rollout / learning / sync.
 Part 2 (drift): SSD with the rule OFF (every round is an SSD round, so hit rate and acceptance are
 measured every step) over `--steps` policy updates, once with a frozen draft and once with a following
@@ -48,7 +51,12 @@ def parse_args(argv=None):
     p.add_argument("--ray", action="store_true", help="Ray rollout + learner actors (default: in process)")
     p.add_argument("--out", default="bench/results/grpo")
     p.add_argument("--skip", default="", help="comma list of parts to skip: throughput,drift,rule")
+    p.add_argument("--methods", default="ar,sd,ssd", help="the throughput part's methods")
+    p.add_argument("--compile", default="off",
+                   help="the throughput part's EngineConfig.compile kinds, comma-separated: off, live, frozen")
     args = p.parse_args(argv)
+    if any(kind not in ("off", "live", "frozen") for kind in args.compile.split(",")):
+        p.error(f"--compile takes off, live and / or frozen, got {args.compile!r}")
     if args.quick:
         args.steps, args.compare_steps = min(args.steps, 3), min(args.compare_steps, 2)
     return args
@@ -85,21 +93,25 @@ def mean(rows, key, start=0):
 
 def throughput(args) -> tuple[list[dict], dict]:
     rows, out = [], {}
-    for method, extra in (("ar", ["spec.method=ar"]), ("sd", ["spec.method=sd"]), ("ssd", ["spec.method=ssd"])):
-        hist = run(run_config(args, f"throughput-{method}", f"steps={args.compare_steps}", "drift_every=0", *extra))
-        out[method] = [{k: m.get(k) for k in ("rollout/tokens_per_s", "spec/accept_rate", "ssd/hit_rate",
-                                             "ssd/strategy", "ssd/strategy_rounds", "time/rollout_share",
-                                             "time/learn_share", "time/sync_share", "time/step_s", "reward/mean")}
-                       for m in hist]
-        rows.append({"method": method, "tok/s (mean)": mean(hist, "rollout/tokens_per_s"),
+    runs = [(method, kind) for method in args.methods.split(",") for kind in args.compile.split(",")]
+    for method, kind in runs:
+        name = method if kind == "off" else f"{method}-{kind}"
+        compiled = [] if kind == "off" else [f"engine.compile={kind}"]
+        hist = run(run_config(args, f"throughput-{name}", f"steps={args.compare_steps}", "drift_every=0",
+                              f"spec.method={method}", *compiled))
+        out[name] = [{k: m.get(k) for k in ("rollout/tokens_per_s", "spec/accept_rate", "ssd/hit_rate",
+                                           "ssd/strategy", "ssd/strategy_rounds", "time/rollout_share",
+                                           "time/learn_share", "time/sync_share", "time/step_s", "reward/mean")}
+                     for m in hist]
+        rows.append({"method": method, "compile": kind, "tok/s (mean)": mean(hist, "rollout/tokens_per_s"),
                      "tok/s (after step 1)": mean(hist, "rollout/tokens_per_s", 1),
                      "accept": mean(hist, "spec/accept_rate"), "hit": mean(hist, "ssd/hit_rate"),
                      "rule chose": hist[-1].get("ssd/strategy", "-"),
                      "rollout share": mean(hist, "time/rollout_share"), "learn share": mean(hist, "time/learn_share"),
                      "sync share": mean(hist, "time/sync_share"), "step s": mean(hist, "time/step_s")})
-    ar = rows[0]["tok/s (after step 1)"]
+    ar = rows[0]["tok/s (after step 1)"]  # the first run: AR, the first --compile kind
     for r in rows:
-        r["vs AR"] = r["tok/s (after step 1)"] / ar if ar else None
+        r["vs first run"] = r["tok/s (after step 1)"] / ar if ar else None
     return rows, out
 
 

@@ -258,6 +258,54 @@ def test_live_steps_follow_weight_writes_without_a_recompile(tiny):
             tiny.lm_head.div_(0.5)
 
 
+@needs_cxx
+def test_live_bf16_steps_follow_weight_writes_through_the_reduction_and_the_packed_op(tmp_path):
+    """The bf16 live path where the CPU has native bf16: 1-row steps (the reduction over the weight) and
+    2-row steps (`rollout_ssd::packed_linear` over `pack_live`'s copies) against the eager bf16 runner,
+    before and after in-place writes to a layer matrix and the LM head. bf16 tolerance: the two paths
+    round differently (fused norms, another summation order), within 5% of the logits' range here; the
+    writes move the eager logits by more than four times that, so stale weights or copies would fail it."""
+    from transformers import LlamaForCausalLM
+
+    from rollout_ssd.models import cpu_backend
+
+    if not cpu_backend.packed_bf16():
+        pytest.skip("no native bf16 on this CPU: live bf16 steps use F.linear (the float32 tests cover the step)")
+    model = LlamaForCausalLM(hf_config("llama-gqa-untied"))
+    randomize(model, seed=3)
+    model.save_pretrained(tmp_path)
+    bf16 = load_pretrained(str(tmp_path), dtype="bfloat16").model
+    eager = ModelRunner(bf16, num_slots=3, max_len=32)
+    live = ModelRunner(bf16, num_slots=3, max_len=32)
+    live.use_static_steps(buckets=(1, 2), compiled="live", pad_t=4)
+    for runner in (eager, live):
+        runner.prefill([0, 2], [[1, 2, 3, 4, 5], [9, 8]])
+
+    def step(runner, slots, rows):
+        out = runner.extend(slots, rows, last_only=True).float()
+        for s, row in zip(slots, rows):
+            runner.rollback(s, runner.length(s) - len(row))
+        return out
+
+    batches = [([2], [[3]]), ([2, 0], [[4], [5]]), ([2, 0], [[6, 7], [8]])]
+    before = [step(eager, slots, rows) for slots, rows in batches]
+    tol = 0.05 * max(float(b.max() - b.min()) for b in before)
+    for (slots, rows), want in zip(batches, before):
+        assert (step(live, slots, rows) - want).abs().max() <= tol
+    assert set(bf16.layers[0].row_major.live) == {"wqkv", "wo", "w_gate_up", "w_down"}
+    graphs = _graphs_per_step(live.static.steps)
+    with torch.no_grad():
+        bf16.layers[0].wo.mul_(-1.5)
+        bf16.lm_head.mul_(-2.0)
+    for (slots, rows), old in zip(batches, before):
+        want = step(eager, slots, rows)
+        assert (want - old).abs().max() > 4 * tol
+        assert (step(live, slots, rows) - want).abs().max() <= tol
+    assert _graphs_per_step(live.static.steps) == graphs
+    assert {key.rows for key in graphs} == {1, 2}
+
+
+@needs_cxx
 def test_the_live_packed_linear_op_is_onednns_packed_linear_and_pack_live_repacks_after_a_write():
     """The op live bf16 steps call (cpu_backend: `rollout_ssd::packed_linear`) gives exactly the eager
     packed linear's result, also inside a compiled function (it runs as an opaque kernel there); and

@@ -18,7 +18,10 @@ eager step goes, and attention reads only the used cache length (the one dynamic
   its C++ templates where they measure faster: the fastest step, for fixed weights. A write to any
   weight turns the frozen steps into live ones (compiled anew, once);
 - "live": the weights stay the graph's inputs, so a step follows every update (RL) with no recompile;
-  bf16 linears run oneDNN's packed kernels over copies `cpu_backend.pack_live` repacks after a write.
+  a one-row bf16 linear is a reduction inductor fuses, and where the CPU has native bf16 more rows run
+  oneDNN's packed kernels over copies `cpu_backend.pack_live` repacks after a write (F.linear otherwise).
+Compiled steps run one at a time in a process (`_COMPILED`): inductor's options and the live flag they
+are compiled under are process-wide.
 
 Costs of the static form under SDPA: attention reads the full `max_len` of each slot (masked) and
 gathers the batch's slots per layer, so it pays off where launch overhead dominates (small batches,
@@ -29,6 +32,7 @@ short contexts). Under the Triton backend (EngineConfig.attention) each query re
 from __future__ import annotations
 
 import logging
+import threading
 import types
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -191,18 +195,23 @@ class StaticStep:
             # torch.compile's `options` did not reach freezing in this torch (2.13): the step then ran
             # unfrozen, no faster than eager
             live = self.mode == "live"
-            if live:  # packed copies remade where a weight was written since (the key: 3x cheaper to check)
-                key = weights_key(self._modules)
-                if key != self._packed_for:
-                    pack_live(self.model)
-                    self._packed_for = key
-            with torch._inductor.config.patch(compile_options(self.t, self.mode)), live_steps(live):
-                return self.compiled(read, self.tokens, self.positions, self.slot, self.cache.keys,
-                                     self.cache.values)
+            with _COMPILED:
+                if live:  # packed copies remade where a weight was written since (the key: 3x cheaper to check)
+                    key = weights_key(self._modules)
+                    if key != self._packed_for:
+                        pack_live(self.model)
+                        self._packed_for = key
+                with torch._inductor.config.patch(compile_options(self.t, self.mode)), live_steps(live):
+                    return self.compiled(read, self.tokens, self.positions, self.slot, self.cache.keys,
+                                         self.cache.values)
         return self.forward()
 
 
 COMPILE_MODES = ("frozen", "live")
+# Held around every compiled step's call: inductor's config patch and cpu_backend's live flag are
+# process-wide, so two engines' steps on two threads must not interleave (one step's options would be
+# another's compile). A re-entrant lock: uncontended, it costs next to nothing per step.
+_COMPILED = threading.RLock()
 
 
 def compile_options(t: int, mode: str = "frozen") -> dict:

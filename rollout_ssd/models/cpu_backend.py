@@ -174,7 +174,7 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: 
     None (a frozen step's F.linear, which inductor packs itself)."""
     m = x.numel() // x.shape[-1]
     if torch.compiler.is_compiling():
-        if not _LIVE:
+        if not _LIVE or m > PACKED_BF16_MAX_ROWS:
             return None
         if m == 1 and w.dtype == torch.bfloat16:  # one row: a reduction inductor streams the weight through
             out = (w.float() * x.reshape(1, -1).float()).sum(-1)
