@@ -117,8 +117,9 @@ class EngineConfig:
     (or True): the weights folded into the graphs, the fastest steps, for fixed weights (offline
     generation, evaluation, serving): a write to a model's weights (an update) turns its steps into live
     ones, compiled anew; "live": the weights stay the graphs' inputs, so the steps follow every update
-    with no recompile (RL). Each shape compiles on first use, which takes a minute or more on a small
-    CPU. A compile that fails leaves the forwards eager. On CUDA use cuda_graphs.
+    with no recompile (RL at small, latency-bound batches). Each shape compiles on first use, which
+    takes a minute or more on a small CPU. A compile that fails leaves the forwards eager. On CUDA use
+    cuda_graphs.
     attention: the attention backend of the models the engine runs (models/attention.py): "sdpa"
     (PyTorch SDPA with a dense visibility mask), "triton" (the span-based Triton kernel for decode,
     verify and SSD's tree steps; prefill stays on SDPA; opt-in: it has not run on a GPU yet), or "auto"
