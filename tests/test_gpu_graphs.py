@@ -329,7 +329,7 @@ def test_the_live_packed_linear_op_is_onednns_packed_linear_and_pack_live_repack
     class Model:  # what pack_live reads of a Decoder
         dtype, embed = torch.bfloat16, w
         layers = [type("Layer", (), {"row_major": cpu_backend.WeightCopies(), "wqkv": w, "wo": w,
-                                     "w_gate_up": w, "w_down": w})()]
+                                     "w_gate_up": w, "w_down": w, "bqkv": None})()]
         lm_head, copies = w, cpu_backend.WeightCopies()
 
     cpu_backend.pack_live(Model)

@@ -39,6 +39,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from rollout_ssd.config import COMPILE
 from rollout_ssd.kv_cache import KVCache
 from rollout_ssd.models.attention import KeyLayout
 from rollout_ssd.models.cpu_backend import live_steps, pack_live
@@ -170,8 +171,8 @@ class StaticStep:
         Each step compiles its own copy of the module's code: dynamo keeps its graphs per code object and
         guards a frozen weight by identity, not content, so a step sharing the code would reuse another
         step's graph (a dynamic row count serves every bucket), stale weights included, and keep it alive."""
-        if mode not in COMPILE_MODES:
-            raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
+        if mode not in COMPILE:
+            raise ValueError(f"compile mode must be one of {COMPILE}, got {mode!r}")
         name = f"{mode}_{self.rows}x{self.t}"
         code = _StepModule.forward.__code__.replace(co_name=f"step_{name}")
         own = type(f"_Step_{name}", (_StepModule,),
@@ -207,7 +208,6 @@ class StaticStep:
         return self.forward()
 
 
-COMPILE_MODES = ("frozen", "live")
 # Held around every compiled step's call: inductor's config patch and cpu_backend's live flag are
 # process-wide, so two engines' steps on two threads must not interleave (one step's options would be
 # another's compile). A re-entrant lock: uncontended, it costs next to nothing per step.
@@ -249,8 +249,8 @@ def compile_mode(compiled) -> Optional[str]:
         return None
     if compiled is True:
         return "frozen"
-    if compiled not in COMPILE_MODES:
-        raise ValueError(f"compiled must be a bool or one of {COMPILE_MODES}, got {compiled!r}")
+    if compiled not in COMPILE:
+        raise ValueError(f"compiled must be a bool or one of {COMPILE}, got {compiled!r}")
     return compiled
 
 

@@ -227,18 +227,24 @@ def pack_live(model) -> None:
     CPU model's linear weights: each is repacked only where its weight was written or replaced since
     (`WeightCopies.get`). A no-op where the packed form does not apply (a float32 model's live steps
     read the weights themselves)."""
-    if not (packed_bf16() and model.dtype == torch.bfloat16 and model.embed.is_cpu):
+    if not _packs(model):
         return
     with torch.inference_mode():
-        for w, copies, name in _linear_weights(model):
+        for w, _, copies, name in _linear_weights(model):
             copies.live[name] = copies.get(name + ":packed", w, _pack)
 
 
+def _packs(model) -> bool:
+    """Whether a model's linears run over oneDNN-packed copies: a bf16 CPU model where `packed_bf16`."""
+    return packed_bf16() and model.dtype == torch.bfloat16 and model.embed.is_cpu
+
+
 def _linear_weights(model) -> list:
-    """(weight, its WeightCopies, name) for every linear of a Decoder: the layers' four, and the LM head."""
-    out = [(getattr(layer, name), layer.row_major, name) for layer in model.layers
-           for name in ("wqkv", "wo", "w_gate_up", "w_down")]
-    return out + [(model.lm_head, model.copies, "lm_head")]
+    """(weight, bias, its WeightCopies, name) for every linear of a Decoder: the layers' four, and the LM
+    head."""
+    out = [(getattr(layer, name), bias, layer.row_major, name) for layer in model.layers
+           for name, bias in (("wqkv", layer.bqkv), ("wo", None), ("w_gate_up", None), ("w_down", None))]
+    return out + [(model.lm_head, None, model.copies, "lm_head")]
 
 
 # Attention of a few queries per row over a 16-bit CPU cache (decode, verify, SSD's tree steps): PyTorch's
@@ -282,12 +288,10 @@ def warm_packed(model, rows: int = WARM_ROWS) -> None:
     distinct weight shape (the layers share theirs; a later engine over the same shapes makes none) and
     of the LM head. A no-op where the packed form does not apply. The outputs are thrown away; nothing
     is written."""
-    if not (packed_bf16() and model.dtype == torch.bfloat16 and model.embed.is_cpu):
+    if not _packs(model):
         return
-    weights = [(getattr(layer, name), bias, layer.row_major, name) for layer in model.layers
-               for name, bias in (("wqkv", layer.bqkv), ("wo", None), ("w_gate_up", None), ("w_down", None))]
     with torch.inference_mode():
-        for w, bias, copies, name in weights + [(model.lm_head, None, model.copies, "lm_head")]:
+        for w, bias, copies, name in _linear_weights(model):
             key = (tuple(w.shape), bias is not None, rows)
             for m in range(1, rows + 1) if key not in _WARMED else (1,):  # (1,): packs this weight
                 packed_linear(torch.zeros(m, w.shape[1], dtype=w.dtype), w, copies, name, bias)
