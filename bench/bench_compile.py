@@ -1,11 +1,15 @@
 """Compiled target steps (`EngineConfig.compile`) against the eager engine, per method, batch 1 (issue 15,
 part 2). One target and draft are loaded (dtype auto, the default pair) and shared by an eager and a
-compiled engine per method; each engine first runs one warm-up call on prompts the timed calls do not
-use (a compiled engine compiles its decode and verify shapes there: those seconds are reported apart),
-then the two take turns prompt by prompt on the held-out-template chat prompts, one `sample` call each,
-greedy, fixed length (ignore_eos). Reported: tok/s per engine, compiled / eager, the warm-up call's
-seconds, and how many of the compiled engine's outputs equal the eager one's token for token, with the
-first position where each differs (the compiled graph rounds bf16 differently, so a greedy near-tie may
+compiled engine per method; each engine first runs a warm-up: `--warm-prompts` prompts the timed calls
+do not use, then the timed prompts themselves, one call each, the pass repeated until it compiles no new
+graph (at most three passes). A compiled engine compiles its shapes there (a graph per batch bucket and
+step length; the cache length is dynamic, but a prompt longer than those seen so far can fail a guard
+dynamo put on it and compile one more), so the timed calls measure the steady state an RL job reaches
+after its first steps; the warm-up's seconds are reported apart. Then,
+the engines take turns prompt by prompt on the held-out-template chat prompts, one `sample` call each,
+greedy, fixed length (ignore_eos). Reported: tok/s per engine, compiled / eager, the warm-up's seconds,
+and how many of the compiled engine's outputs equal the eager one's token for token, with the first
+position where each differs (the compiled graph rounds bf16 differently, so a greedy near-tie may
 fall the other way: counted, not assumed; the eager SD engine against the eager AR one is printed too,
 the same question between two eager paths). With AR, a last row: transformers' `generate` in the same
 dtype and the batch-1 memory roofline. --compile picks the compiled engines' kind ("frozen": weights folded
@@ -13,15 +17,19 @@ in; "live": the weights stay graph inputs). --update-every-call writes new targe
 timed prompt (through the compiled engine's `update_weights`; the engines share the target, so both run
 on them), alternating between the loaded weights and a perturbed copy, as an RL job's updates would: the
 cost of following an update is then in the rates, and the graphs compiled during the timed calls are
-counted (a live engine should compile none). Table, then one JSON line.
+counted (a live engine should compile none). --compile may also name "onednn": an eager engine with the
+bf16 rows kernel off (models/bf16_rows.py), the eager bf16 linears of before that kernel, side by side.
+Table, then one JSON line.
 
     .venv/bin/python bench/bench_compile.py --methods ar,sd
     .venv/bin/python bench/bench_compile.py --methods ar,sd --compile live --update-every-call
+    .venv/bin/python bench/bench_compile.py --methods ar,sd --compile onednn,frozen,live
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -31,6 +39,7 @@ add_repo_to_path()
 
 from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig  # noqa: E402
 from rollout_ssd import metric_names as names  # noqa: E402
+from rollout_ssd.models import bf16_rows  # noqa: E402
 from rollout_ssd.models.cpu_backend import describe_auto_dtype  # noqa: E402
 from rollout_ssd.models.loader import load_pretrained  # noqa: E402
 from rollout_ssd.models.registry import resolve_draft  # noqa: E402
@@ -81,19 +90,41 @@ def graphs_compiled() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def run_method(method: str, modes: list[str], target, draft, warm, timed, params, args) -> tuple[dict, dict]:
+COMPILED = {"frozen": "frozen", "live": "live", "onednn": False}  # --compile's engines: EngineConfig.compile
+
+
+@contextlib.contextmanager
+def kernels_of(mode: str):
+    """Around an engine's calls: the "onednn" engine runs with the bf16 rows kernel off."""
+    if mode != "onednn":
+        yield
+        return
+    bf16_rows.set_enabled(False)
+    try:
+        yield
+    finally:
+        bf16_rows.set_enabled(True)
+
+
+def run_method(method: str, modes: list[str], target, draft, warm: list, timed: list, params, args) -> tuple[dict, dict]:
     """One method: an eager engine and one compiled engine per mode, sharing the target and draft, a
     warm-up call each, then turns prompt by prompt (with --update-every-call, new target weights before
     each prompt). Returns the table row and each engine's outputs."""
     spec = SpecConfig(method=method, k=args.k)
-    engines = {mode: RolloutEngine(target, spec, EngineConfig(max_batch_size=1, compile=mode if mode != "eager" else False),
+    engines = {mode: RolloutEngine(target, spec, EngineConfig(max_batch_size=1, compile=COMPILED.get(mode, False)),
                                    None if method == "ar" else draft) for mode in ["eager"] + modes}
     sets = weight_sets(target) if args.update_every_call else None
     try:
         warm_s = {}
         for mode, engine in engines.items():
             t0 = time.perf_counter()
-            engine.sample([warm], params)
+            for _ in range(3):
+                before = graphs_compiled()
+                with kernels_of(mode):
+                    for prompt in warm + timed:
+                        engine.sample([prompt], params)
+                if graphs_compiled() == before:
+                    break
             warm_s[mode] = time.perf_counter() - t0
         seconds, tokens, outputs = {m: 0.0 for m in engines}, {m: 0 for m in engines}, {m: [] for m in engines}
         graphs_before, updates = graphs_compiled(), 0
@@ -103,7 +134,8 @@ def run_method(method: str, modes: list[str], target, draft, warm, timed, params
                 engines[modes[0]].update_weights(sets[(i + 1) % 2], version=updates)
             for mode, engine in engines.items():
                 t0 = time.perf_counter()
-                out = engine.sample([prompt], params)[0]
+                with kernels_of(mode):
+                    out = engine.sample([prompt], params)[0]
                 seconds[mode] += time.perf_counter() - t0
                 tokens[mode] += len(out.token_ids)
                 outputs[mode].append(list(out.token_ids))
@@ -136,20 +168,21 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--warm-prompts", type=int, default=1, help="untimed prompts the warm-up pass starts with")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate and the roofline row")
     p.add_argument("--compile", default="frozen",
-                   help="the compiled engines' kinds, comma-separated: frozen, live (one engine each)")
+                   help="the other engines, comma-separated: frozen, live (compiled), onednn (eager, bf16 rows kernel off)")
     p.add_argument("--update-every-call", action="store_true",
                    help="new target weights before every timed prompt (alternating loaded / drifted)")
     args = p.parse_args(argv)
     modes = args.compile.split(",")
-    if not modes or any(m not in ("frozen", "live") for m in modes):
-        p.error(f"--compile takes frozen and/or live, got {args.compile!r}")
+    if not modes or any(m not in COMPILED for m in modes):
+        p.error(f"--compile takes frozen, live and/or onednn, got {args.compile!r}")
     target = load_pretrained("smollm2-135m-instruct", dtype="auto")
     draft = load_pretrained(resolve_draft("default", "smollm2-135m-instruct"), dtype="auto", with_tokenizer=False,
                             share_embedding_from=target.model)
-    prompts = bench_prompts(target.tokenizer, "templates", args.prompts + 1)
-    warm, timed = prompts[0], prompts[1:]
+    prompts = bench_prompts(target.tokenizer, "templates", args.prompts + args.warm_prompts)
+    warm, timed = prompts[:args.warm_prompts], prompts[args.warm_prompts:]
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
     rows, by_method = [], {}
     for method in args.methods.split(","):
@@ -166,7 +199,7 @@ def main(argv=None):
         ar_row = next(r for r in rows if r["method"] == "ar")
         rows.append(against_generate(target, timed, args.new_tokens, ar_row, modes))
         print(rows[-1], flush=True)
-    print(f"dtype auto: {describe_auto_dtype()}")
+    print(f"dtype auto: {describe_auto_dtype()}; bf16 rows kernel: {'on' if bf16_rows.available() else 'off'}")
     print_table(rows)
     print_json_line({"bench": "bench_compile", "machine": machine_note(), "args": vars(args), "rows": rows})
 

@@ -28,15 +28,16 @@ def add_repo_to_path() -> None:
         sys.path.insert(0, str(REPO_ROOT))
 
 
-def load_default_pair(draft: str = "default"):
-    """(target, draft) LoadedModels: SmolLM2-135M-Instruct in float32 and `draft` ("default" = the
-    built-in draft, or a checkpoint directory), the draft sharing the target's embedding."""
+def load_default_pair(draft: str = "default", dtype: str = "float32"):
+    """(target, draft) LoadedModels: SmolLM2-135M-Instruct in `dtype` (float32 unless asked; "auto" is
+    the engine's default) and `draft` ("default" = the built-in draft, or a checkpoint directory), the
+    draft sharing the target's embedding."""
     add_repo_to_path()
     from rollout_ssd.models.loader import load_pretrained
     from rollout_ssd.models.registry import resolve_draft
 
-    target = load_pretrained("smollm2-135m-instruct", dtype="float32")
-    return target, load_pretrained(resolve_draft(draft, "smollm2-135m-instruct"), dtype="float32",
+    target = load_pretrained("smollm2-135m-instruct", dtype=dtype)
+    return target, load_pretrained(resolve_draft(draft, "smollm2-135m-instruct"), dtype=dtype,
                                    with_tokenizer=False, share_embedding_from=target.model)
 
 

@@ -5,6 +5,8 @@ runs the 121 linears of SmolLM2-135M's shapes (30 layers x qkv, o, gate_up, down
 269 MB of random bf16 weights, more than the caches hold) on `--rows` rows; called from Python one
 linear at a time, each call's own overhead would hide the kernels. Forms:
 - "onednn packed": `rollout_ssd::packed_linear` (cpu_backend: oneDNN's packed linear as an opaque op);
+- "bf16 rows": `rollout_ssd::bf16_rows` (models/bf16_rows.py: the avx512_bf16 dot-product kernel) over
+  its packed copy, an opaque op too;
 - "reduction": (W.float() * x.float()).sum(-1), a loop inductor generates and fuses, the weight as is;
 - "blocked 16": the same over a copy of W blocked [N/16, K, 16] (16 outputs a vector);
 - "frozen": F.linear on frozen weights (inductor packs them; autotuned between oneDNN and its C++
@@ -26,9 +28,10 @@ from common import add_repo_to_path, machine_note, median, print_json_line, prin
 add_repo_to_path()
 
 import rollout_ssd.models.cpu_backend  # noqa: E402,F401  (registers rollout_ssd::packed_linear)
+from rollout_ssd.models import bf16_rows  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M's layer linears, [out, in]
-FORMS = ("onednn packed", "reduction", "blocked 16", "frozen")
+FORMS = ("onednn packed", "bf16 rows", "reduction", "blocked 16", "frozen")
 
 
 def weights(layers: int, seed: int = 0) -> list[torch.Tensor]:
@@ -39,6 +42,10 @@ def weights(layers: int, seed: int = 0) -> list[torch.Tensor]:
 
 def onednn(x, p):
     return torch.ops.rollout_ssd.packed_linear(x, p, None, p.shape[0])
+
+
+def rows_kernel(x, p):  # p: bf16_rows.pack(w), [N / 64, K / 2, 64, 2] (every N here is a multiple of 64)
+    return torch.ops.rollout_ssd.bf16_rows(x, p, None, p.shape[0] * 64)
 
 
 def reduction(x, w):  # [M, N]: the weight row stays in cache across the M rows
@@ -79,6 +86,8 @@ def main(argv=None):
     xs = {k: torch.randn(args.rows, k, generator=gen).to(torch.bfloat16) for k in (576, 1536)}
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in ws]
     blocks = [w.view(w.shape[0] // 16, 16, w.shape[1]).permute(0, 2, 1).contiguous() for w in ws]
+    rows_packed = [bf16_rows.pack(w) for w in ws] if bf16_rows.available() else None
+    xs.update({k // 2: xs[k] for k in (576, 1536)})  # the rows kernel's copies have K / 2 pairs as dim 1
     rows = []
     with torch.inference_mode():
         want = chain(torch.nn.functional.linear, ws, xs).item()
@@ -93,7 +102,11 @@ def main(argv=None):
                     compile_s = time.perf_counter() - t0
                     times = [time_once(call) for _ in range(args.repeats)]
             else:
-                linear, inputs = {"onednn packed": (onednn, packed), "reduction": (reduction, ws),
+                if form == "bf16 rows" and rows_packed is None:
+                    print("bf16 rows: the kernel does not run here, skipped")
+                    continue
+                linear, inputs = {"onednn packed": (onednn, packed), "bf16 rows": (rows_kernel, rows_packed),
+                                  "reduction": (reduction, ws),
                                   "blocked 16": (blocked, blocks)}[form]
                 fn = torch.compile(lambda inputs, xs, linear=linear: chain(linear, inputs, xs), fullgraph=True)
                 call = lambda fn=fn, inputs=inputs: fn(inputs, xs)  # noqa: E731

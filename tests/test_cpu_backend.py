@@ -1,6 +1,7 @@
 """bf16 linears over oneDNN-packed weights (models/cpu_backend.py) on CPUs with bf16 units: bitwise
 equal to F.linear at every shape and row count the engine uses, remade when the weight changes, and the
-same model outputs with and without them. Skipped on CPUs without bf16 units (the path is off there)."""
+same model outputs with and without them (with the bf16 rows kernel off: where it runs it takes 1..32
+rows, tests/test_bf16_rows.py). Skipped on CPUs without bf16 units (the path is off there)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollout_ssd.models import cpu_backend
+from rollout_ssd.models import bf16_rows, cpu_backend
 from rollout_ssd.models.cpu_backend import WeightCopies, packed_bf16, packed_linear
 
 needs_packed = pytest.mark.skipif(not packed_bf16(), reason="this CPU has no bf16 units (the packed path is off)")
 
 
+@pytest.fixture
+def onednn_only():
+    """The oneDNN packed path at every row count: the bf16 rows kernel (tests/test_bf16_rows.py) off."""
+    bf16_rows.set_enabled(False)
+    yield
+    bf16_rows.set_enabled(True)
+
+
 @needs_packed
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (3072, 576), (8192, 576), (49, 33)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17, 64, 256])
-def test_packed_linear_is_bitwise_f_linear(shape, rows):
+def test_packed_linear_is_bitwise_f_linear(shape, rows, onednn_only):
     gen = torch.Generator().manual_seed(rows * 1000 + shape[0])
     w = (torch.randn(*shape, generator=gen) * 0.05).to(torch.bfloat16)
     x = torch.randn(rows, shape[1], generator=gen).to(torch.bfloat16)
@@ -28,7 +37,7 @@ def test_packed_linear_is_bitwise_f_linear(shape, rows):
 
 
 @needs_packed
-def test_packed_copy_follows_in_place_updates_and_is_skipped_where_it_does_not_apply():
+def test_packed_copy_follows_in_place_updates_and_is_skipped_where_it_does_not_apply(onednn_only):
     w = torch.randn(64, 32).to(torch.bfloat16)
     x = torch.randn(2, 32).to(torch.bfloat16)
     copies = WeightCopies()
@@ -43,7 +52,7 @@ def test_packed_copy_follows_in_place_updates_and_is_skipped_where_it_does_not_a
 
 
 @needs_packed
-def test_bf16_decoder_outputs_are_unchanged_by_packing(tmp_path, monkeypatch):
+def test_bf16_decoder_outputs_are_unchanged_by_packing(tmp_path, monkeypatch, onednn_only):
     from rollout_ssd.models.loader import load_pretrained
     from rollout_ssd.runner import ModelRunner
     from tests.support.models import build_tiny

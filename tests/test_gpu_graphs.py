@@ -259,18 +259,24 @@ def test_live_steps_follow_weight_writes_without_a_recompile(tiny):
 
 
 @needs_cxx
-def test_live_bf16_steps_follow_weight_writes_through_the_reduction_and_the_packed_op(tmp_path):
-    """The bf16 live path where the CPU has native bf16: 1-row steps (the reduction over the weight) and
-    2-row steps (`rollout_ssd::packed_linear` over `pack_live`'s copies) against the eager bf16 runner,
-    before and after in-place writes to a layer matrix and the LM head. bf16 tolerance: the two paths
-    round differently (fused norms, another summation order), within 5% of the logits' range here; the
-    writes move the eager logits by more than four times that, so stale weights or copies would fail it."""
+@pytest.mark.parametrize("kernel", ["bf16 rows", "onednn"])
+def test_live_bf16_steps_follow_weight_writes(tmp_path, monkeypatch, kernel):
+    """The bf16 live path where the CPU has native bf16, against the eager bf16 runner before and after
+    in-place writes to a layer matrix and the LM head. kernel "bf16 rows": 1- and 2-row steps call
+    `rollout_ssd::bf16_rows` over `pack_live`'s copies (models/bf16_rows.py; skipped where it does not
+    run); "onednn" (that kernel off): 1-row steps are the reduction over the weight, 2-row steps
+    `rollout_ssd::packed_linear` over oneDNN's copies. bf16 tolerance: the paths round differently (fused
+    norms, another summation order), within 5% of the logits' range here; the writes move the eager
+    logits by more than four times that, so stale weights or copies would fail it."""
     from transformers import LlamaForCausalLM
 
-    from rollout_ssd.models import cpu_backend
+    from rollout_ssd.models import bf16_rows, cpu_backend
 
     if not cpu_backend.packed_bf16():
         pytest.skip("no native bf16 on this CPU: live bf16 steps use F.linear (the float32 tests cover the step)")
+    if kernel == "bf16 rows" and not bf16_rows.available():
+        pytest.skip("the bf16 rows kernel does not run here")
+    monkeypatch.setattr(bf16_rows, "_ON", kernel == "bf16 rows")
     model = LlamaForCausalLM(hf_config("llama-gqa-untied"))
     randomize(model, seed=3)
     model.save_pretrained(tmp_path)
@@ -292,7 +298,8 @@ def test_live_bf16_steps_follow_weight_writes_through_the_reduction_and_the_pack
     tol = 0.05 * max(float(b.max() - b.min()) for b in before)
     for (slots, rows), want in zip(batches, before):
         assert (step(live, slots, rows) - want).abs().max() <= tol
-    assert set(bf16.layers[0].row_major.live) == {"wqkv", "wo", "w_gate_up", "w_down"}
+    names = {"wqkv", "wo", "w_gate_up", "w_down"}
+    assert set(bf16.layers[0].row_major.live) == names | ({n + ":rows" for n in names} if kernel == "bf16 rows" else set())
     graphs = _graphs_per_step(live.static.steps)
     with torch.no_grad():
         bf16.layers[0].wo.mul_(-1.5)
@@ -306,14 +313,15 @@ def test_live_bf16_steps_follow_weight_writes_through_the_reduction_and_the_pack
 
 
 @needs_cxx
-def test_the_live_packed_linear_op_is_onednns_packed_linear_and_pack_live_repacks_after_a_write():
+def test_the_live_packed_linear_op_is_onednns_packed_linear_and_pack_live_repacks_after_a_write(monkeypatch):
     """The op live bf16 steps call (cpu_backend: `rollout_ssd::packed_linear`) gives exactly the eager
     packed linear's result, also inside a compiled function (it runs as an opaque kernel there); and
     `pack_live` remakes a weight's packed copy after an in-place write, and only then."""
-    from rollout_ssd.models import cpu_backend
+    from rollout_ssd.models import bf16_rows, cpu_backend
 
     if not cpu_backend.packed_bf16():
         pytest.skip("no native bf16 on this CPU: live bf16 steps use F.linear over the weights")
+    monkeypatch.setattr(bf16_rows, "_ON", False)  # 5 rows would take the bf16 rows kernel (tests/test_bf16_rows.py)
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(48, 32, generator=gen).to(torch.bfloat16)
     b = torch.randn(48, generator=gen).to(torch.bfloat16)

@@ -7,16 +7,19 @@ another order), never the model:
   (a decode step at batch 1); 2+ rows run W @ x.T over a cached row-major copy (`linear`,
   `WeightCopies`), with the row count padded to a width MKL has no remainder penalty at (`gemm_rows`);
 - the LM head: its GEMM form by row count (`head_matmul`);
-- bf16 on a CPU with bf16 units: oneDNN's linear over weights it packed once (`packed_linear`), bitwise
-  equal to F.linear and faster;
-- inside a live compiled step (graphs.py, EngineConfig.compile="live"): a one-row bf16 linear as a
-  float32 reduction over the weight itself, which inductor fuses into one loop that streams the weight
-  (oneDNN's few-row kernels read it more slowly there), and more rows as oneDNN's packed linear over
-  copies `pack_live` keeps current (`rollout_ssd::packed_linear`, an op inductor calls as is);
+- bf16 on a CPU with bf16 units (`packed_linear`): at 1..BF16_ROWS_MAX_ROWS rows, where the CPU has
+  avx512_bf16, the bf16 rows kernel (bf16_rows.py: bf16 dot products over a copy in its blocked layout,
+  the weight read at memory speed, a row's result independent of its batch; within bf16 rounding of
+  F.linear, not bitwise); otherwise oneDNN's linear over weights it packed once, bitwise F.linear;
+- inside a live compiled step (graphs.py, EngineConfig.compile="live"): the same kernels, as ops inductor
+  calls as they are (`rollout_ssd::bf16_rows`, `rollout_ssd::packed_linear`), over copies `pack_live`
+  keeps current; with the rows kernel off, a one-row linear is a float32 reduction over the weight,
+  which inductor fuses into one loop that streams it;
 - dtype "auto": bfloat16 where the CPU runs bf16 matmuls natively, else float32 (`auto_dtype`).
 
 The CPU kind is read once per process (`cpu_kind`). Measurements behind these choices are in
-bench/RESULTS.md ("GEMM widths", "bfloat16 and dtype auto"); bench/bench_gemm.py re-measures them.
+bench/RESULTS.md ("GEMM widths", "bfloat16 and dtype auto", "bf16 kernel for a few rows");
+bench/bench_gemm.py and bench/bf16_rows_kernel.py re-measure them.
 """
 
 from __future__ import annotations
@@ -30,23 +33,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollout_ssd.models import bf16_rows
+
 log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------ the CPU found
 @functools.cache
-def cpu_kind() -> str:
-    """"amx" | "avx512_bf16" | "avx512" | "avx2" | "default": the best matmul ISA this CPU has, from
-    /proc/cpuinfo's flags (bf16 units) and torch's own vector-capability probe (the rest)."""
-    flags: set[str] = set()
+def cpu_flags() -> frozenset:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none: not Linux)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:  # not Linux: torch's probe alone
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
         pass
+    return frozenset()
+
+
+@functools.cache
+def cpu_kind() -> str:
+    """"amx" | "avx512_bf16" | "avx512" | "avx2" | "default": the best matmul ISA this CPU has, from
+    /proc/cpuinfo's flags (bf16 units) and torch's own vector-capability probe (the rest)."""
+    flags = cpu_flags()
     if "amx_bf16" in flags:
         return "amx"
     if "avx512_bf16" in flags:
@@ -166,30 +176,50 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, 1)
 
 
+# At 1..BF16_ROWS_MAX_ROWS rows on a CPU with avx512_bf16, bf16 linears run bf16_rows.py's kernel (bf16 dot
+# products, the weight read at memory speed) over a copy in its layout; oneDNN's packed linear above that
+# (bench/RESULTS.md, "bf16 kernel for a few rows").
+BF16_ROWS_MAX_ROWS = 32
+
+
+def _rows_kernel(x: torch.Tensor, w: torch.Tensor, m: int) -> bool:
+    return m <= BF16_ROWS_MAX_ROWS and x.dtype == torch.bfloat16 and w.shape[1] % 2 == 0 and bf16_rows.available()
+
+
 def packed_linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,
                   bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """F.linear(x, w, bias) over the packed copy of a frozen bf16 CPU weight, or None where that form
-    does not apply (other dtypes, devices, training, more than PACKED_BF16_MAX_ROWS rows). Inside a
-    compiled step: over the copy `pack_live` made, where the step is a live one (`live_steps`), else
-    None (a frozen step's F.linear, which inductor packs itself)."""
+    """F.linear(x, w, bias) for a frozen bf16 CPU weight in the fastest form for the row count (the bf16
+    rows kernel over its packed copy at 1..BF16_ROWS_MAX_ROWS rows where it runs, else oneDNN over its
+    packed copy), or None where neither applies (other dtypes, devices, training, more than
+    PACKED_BF16_MAX_ROWS rows). Inside a compiled step: the same kernels, as ops over the copies
+    `pack_live` made, where the step is a live one (`live_steps`), else None (a frozen step's F.linear,
+    which inductor packs itself)."""
     m = x.numel() // x.shape[-1]
+    x2 = x.reshape(m, x.shape[-1])
     if torch.compiler.is_compiling():
         if not _LIVE or m > PACKED_BF16_MAX_ROWS:
             return None
-        if m == 1 and w.dtype == torch.bfloat16:  # one row: a reduction inductor streams the weight through
-            out = (w.float() * x.reshape(1, -1).float()).sum(-1)
+        rows = copies.live.get(name + ":rows") if m <= BF16_ROWS_MAX_ROWS else None  # made where the kernel runs
+        packed = copies.live.get(name)
+        if rows is not None:
+            out = torch.ops.rollout_ssd.bf16_rows(x2, rows, bias, w.shape[0])
+        elif m == 1 and w.dtype == torch.bfloat16:  # one row: a reduction inductor streams the weight through
+            out = (w.float() * x2.float()).sum(-1)
             out = (out if bias is None else out + bias.float()).to(x.dtype)
+        elif packed is not None:
+            out = torch.ops.rollout_ssd.packed_linear(x2, packed, bias, w.shape[0])
         else:
-            packed = copies.live.get(name)
-            if packed is None:
-                return None
-            out = torch.ops.rollout_ssd.packed_linear(x.reshape(m, x.shape[-1]), packed, bias, w.shape[0])
+            return None
         return out.view(*x.shape[:-1], w.shape[0])
     if w.dtype != torch.bfloat16 or not w.is_cpu or w.requires_grad or x.requires_grad \
-            or m > PACKED_BF16_MAX_ROWS or not packed_bf16():
+            or m > PACKED_BF16_MAX_ROWS:
         return None
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(m, x.shape[-1]), copies.get(name + ":packed", w, _pack),
-                                             bias, "none", [], "")
+    if _rows_kernel(x, w, m):
+        out = bf16_rows.linear(x2, copies.get(name + ":rows", w, bf16_rows.pack), w.shape[0], bias)
+    elif packed_bf16():
+        out = torch.ops.mkldnn._linear_pointwise(x2, copies.get(name + ":packed", w, _pack), bias, "none", [], "")
+    else:
+        return None
     return out.view(*x.shape[:-1], w.shape[0])
 
 
@@ -231,12 +261,16 @@ def pack_live(model) -> None:
         return
     with torch.inference_mode():
         for w, _, copies, name in _linear_weights(model):
-            copies.live[name] = copies.get(name + ":packed", w, _pack)
+            if packed_bf16():
+                copies.live[name] = copies.get(name + ":packed", w, _pack)
+            if bf16_rows.available() and w.shape[1] % 2 == 0:
+                copies.live[name + ":rows"] = copies.get(name + ":rows", w, bf16_rows.pack)
 
 
 def _packs(model) -> bool:
-    """Whether a model's linears run over oneDNN-packed copies: a bf16 CPU model where `packed_bf16`."""
-    return packed_bf16() and model.dtype == torch.bfloat16 and model.embed.is_cpu
+    """Whether a model's linears run over packed copies (oneDNN's, the bf16 rows kernel's): a bf16 CPU
+    model where `packed_bf16` or `bf16_rows.available()`."""
+    return (packed_bf16() or bf16_rows.available()) and model.dtype == torch.bfloat16 and model.embed.is_cpu
 
 
 def _linear_weights(model) -> list:
@@ -284,16 +318,18 @@ _WARMED: set[tuple] = set()  # (weight shape, bias?, rows) whose kernels this pr
 
 
 def warm_packed(model, rows: int = WARM_ROWS) -> None:
-    """Pack a frozen bf16 CPU model's linear weights and make oneDNN's kernels for 1..`rows` rows of each
-    distinct weight shape (the layers share theirs; a later engine over the same shapes makes none) and
-    of the LM head. A no-op where the packed form does not apply. The outputs are thrown away; nothing
-    is written."""
+    """Pack a frozen bf16 CPU model's linear weights (for the bf16 rows kernel and for oneDNN) and make
+    oneDNN's kernels for the row counts up to `rows` it serves, for each distinct weight shape (the
+    layers share theirs; a later engine over the same shapes makes none) and of the LM head. A no-op
+    where the packed form does not apply. The outputs are thrown away; nothing is written."""
     if not _packs(model):
         return
+    kernel_rows = BF16_ROWS_MAX_ROWS if bf16_rows.available() else 0  # the rows kernel has no per-shape state
     with torch.inference_mode():
         for w, bias, copies, name in _linear_weights(model):
             key = (tuple(w.shape), bias is not None, rows)
-            for m in range(1, rows + 1) if key not in _WARMED else (1,):  # (1,): packs this weight
+            sizes = range(kernel_rows + 1, rows + 1) if key not in _WARMED else (rows,)
+            for m in {1, *sizes}:  # 1 and `rows`: pack this weight in each form used
                 packed_linear(torch.zeros(m, w.shape[1], dtype=w.dtype), w, copies, name, bias)
             _WARMED.add(key)
 

@@ -1,0 +1,91 @@
+"""The bf16 rows kernel (rollout_ssd/models/bf16_rows.py) against oneDNN's packed linear, per row count
+(issue 15, part 2: a verify of K + 1 tokens should cost about one decode step). One pass runs the 121
+linears of SmolLM2-135M's shapes (30 layers x qkv, o, gate_up, down, and the 49k-row head: 269 MB of
+random bf16 weights, more than the caches hold) on M rows, each linear called from Python as the eager
+decoder calls it; the two kernels take turns pass by pass. Reported per thread count and M: median ms
+per pass, GB/s over the weight bytes, kernel / oneDNN speed, the pass's cost in one-row passes of the
+same kernel; and the read bandwidth of a plain sum over the same bytes (torch's reduction: what a
+kernel that only reads the weight could reach). Table, then one JSON line.
+
+    .venv/bin/python bench/bf16_rows_kernel.py
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from common import add_repo_to_path, machine_note, median, print_json_line, print_table
+
+add_repo_to_path()
+
+from rollout_ssd.models import bf16_rows  # noqa: E402
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M's layer linears, [out, in]
+
+
+def weights(layers: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = [torch.randn(n, k, generator=gen).to(torch.bfloat16) * 0.05 for _ in range(layers) for n, k in SHAPES]
+    return out + [torch.randn(49152, 576, generator=gen).to(torch.bfloat16) * 0.05]
+
+
+def timed(fn, clock) -> float:
+    t0 = clock()
+    fn()
+    return clock() - t0
+
+
+def main(argv=None):
+    import time
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default="1,2,3,4,5,6,7,8,10,12,16,24,32")
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=15)
+    args = p.parse_args(argv)
+    if not bf16_rows.available():
+        raise SystemExit("the bf16 rows kernel does not run here (no avx512_bf16, or no C compiler)")
+    ws = weights(args.layers)
+    nbytes = sum(w.numel() for w in ws) * 2
+    kernel_w = [bf16_rows.pack(w) for w in ws]
+    onednn_w = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in ws]
+    flat = torch.cat([w.flatten() for w in kernel_w])
+    gen = torch.Generator().manual_seed(1)
+    rows_out = []
+    for threads in map(int, args.threads.split(",")):
+        torch.set_num_threads(threads)
+        flat.sum()
+        sum_gbps = nbytes / median([timed(flat.sum, time.perf_counter) for _ in range(args.repeats)]) / 1e9
+        one_row = None
+        for m in map(int, args.rows.split(",")):
+            xs = {k: torch.randn(m, k, generator=gen).to(torch.bfloat16) for k in (576, 1536)}
+
+            def kernel(xs=xs):
+                for w, packed in zip(ws, kernel_w):
+                    bf16_rows.linear(xs[w.shape[1]], packed, w.shape[0])
+
+            def onednn(xs=xs):
+                for w, packed in zip(ws, onednn_w):
+                    torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], packed, None, "none", [], "")
+
+            kernel(), onednn()
+            times = {"kernel": [], "onednn": []}
+            for _ in range(args.repeats):
+                times["kernel"].append(timed(kernel, time.perf_counter))
+                times["onednn"].append(timed(onednn, time.perf_counter))
+            k_s, o_s = median(times["kernel"]), median(times["onednn"])
+            one_row = k_s if m == 1 else one_row
+            rows_out.append({"threads": threads, "rows": m, "kernel ms": 1e3 * k_s, "kernel GB/s": nbytes / k_s / 1e9,
+                             "onednn ms": 1e3 * o_s, "onednn GB/s": nbytes / o_s / 1e9, "kernel / onednn speed": o_s / k_s,
+                             "kernel pass in 1-row passes": k_s / one_row if one_row else None,
+                             "sum() GB/s": sum_gbps})
+            print(rows_out[-1], flush=True)
+    print(f"weights: {nbytes / 1e6:.0f} MB bf16; machine: {machine_note()}")
+    print_table(rows_out)
+    print_json_line({"bench": "bf16_rows_kernel", "machine": machine_note(), "args": vars(args), "rows": rows_out})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""A few rows times a bf16 weight on CPUs with avx512_bf16: the C kernel in csrc/bf16_rows.c.
+
+Why a kernel of our own: at 1..16 rows (a decode step, a verify of K+1 tokens, a draft's tree step) a
+linear is bound by reading its weight, and every CPU kernel found for bf16 (oneDNN's packed linear,
+inductor's reductions and GEMM templates) converts each weight element to float32 and multiplies in
+float32: from 2 rows on they are compute-bound at under half the memory's read speed, so a verify cost
+about two decode steps (bench/RESULTS.md, "bf16 kernel for a few rows"). avx512_bf16's dot instruction
+multiplies bf16 pairs as they are, 32 multiply-adds per instruction.
+
+What it computes: x [m, k] @ w.T (+ bias), accumulated in float32 and rounded once to bf16, over a copy
+of w in the kernel's blocked layout (`pack`). Each output's sum runs over k in one fixed order, whatever
+the row count and the other rows, so a row's result does not depend on the batch it is in (oneDNN's
+kernels change their blocking with the row count). It is not bitwise F.linear (another summation
+order); tests bound it against a float64 reference.
+
+How it is built: with the C compiler found (`cc`, or $CC) on first use, into a cache directory
+($ROLLOUT_SSD_KERNEL_CACHE, else ~/.cache/rollout_ssd/kernels), keyed by the source and the flags, and
+loaded with ctypes; its OpenMP threads are torch's own (the library links libgomp.so.1, which torch has
+loaded). Where the CPU has no avx512_bf16, no compiler is found or the build fails, `available()` is
+False and cpu_backend keeps oneDNN's packed linear. $ROLLOUT_SSD_BF16_ROWS=0 (or `set_enabled(False)`)
+turns it off.
+
+Inside a compiled step the kernel is the op `rollout_ssd::bf16_rows`, which inductor calls as an opaque
+kernel over the packed copy (a graph input, so a live step follows weight updates).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "bf16_rows.c"
+FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
+TILE = 64  # outputs per tile of the packed layout (csrc/bf16_rows.c)
+
+
+def cpu_has_avx512_bf16() -> bool:
+    from rollout_ssd.models.cpu_backend import cpu_flags
+
+    return {"avx512_bf16", "avx512bw", "avx512vl"} <= cpu_flags()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("ROLLOUT_SSD_KERNEL_CACHE") or Path.home() / ".cache" / "rollout_ssd" / "kernels"
+    return Path(root)
+
+
+def build(compiler: Optional[str] = None) -> Path:
+    """Compile csrc/bf16_rows.c into the cache (once per source and flags) and return the library's path.
+    Concurrent builders (an engine and its SSD worker process) each write a temporary file and rename
+    it, so a reader never sees half a library. Raises CalledProcessError / FileNotFoundError on failure."""
+    compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"bf16_rows-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def _kernel():
+    """The loaded C function, or None where the kernel cannot run here (logged once)."""
+    if not cpu_has_avx512_bf16():
+        return None
+    try:
+        path = build()
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("bf16 rows kernel not built (%s); bf16 linears keep oneDNN's packed kernels", detail)
+        return None
+    fn = ctypes.CDLL(str(path)).bf16_rows_linear
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    fn.restype = None
+    return fn
+
+
+_ON = os.environ.get("ROLLOUT_SSD_BF16_ROWS", "1") != "0"
+
+
+def set_enabled(on: bool) -> None:
+    """Turn the kernel's use on or off in this process (benchmarks compare it with oneDNN's this way;
+    compiled steps traced before keep the form they were traced with)."""
+    global _ON
+    _ON = bool(on)
+
+
+def available() -> bool:
+    """Whether `linear` runs here: a CPU with avx512_bf16, the kernel built, not turned off."""
+    return _ON and _kernel() is not None
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """w [n, k] bf16 (k even) in the kernel's layout: tiles of 64 outputs (n padded with zero rows),
+    inside a tile one line per pair of k indices, [ceil(n / 64), k / 2, 64, 2]."""
+    n, k = w.shape
+    if k % 2:
+        raise ValueError(f"bf16_rows.pack needs an even number of columns, got a weight of shape {tuple(w.shape)}")
+    tiles = -(-n // TILE)
+    padded = F.pad(w.detach(), (0, 0, 0, tiles * TILE - n))
+    return padded.view(tiles, TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [m, k] bf16 @ w.T (+ bias) -> [m, n] bf16, w given as `pack(w)`. Needs `available()`."""
+    m, k = x.shape
+    if x.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16 or packed.shape[1] * 2 != k \
+            or packed.shape[0] * TILE < n:
+        raise ValueError(f"bf16_rows.linear: x {tuple(x.shape)} {x.dtype} does not fit packed "
+                         f"{tuple(packed.shape)} {packed.dtype} with n={n}")
+    x = x.contiguous()
+    b = None if bias is None else bias.detach().float().contiguous()
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    _kernel()(x.data_ptr(), m, k, packed.data_ptr(), n, None if b is None else b.data_ptr(), out.data_ptr(),
+              torch.get_num_threads())
+    return out
+
+
+# The op compiled steps call (inductor runs it as an opaque kernel; the packed copy is a graph input).
+_LIBRARY = torch.library.Library("rollout_ssd", "FRAGMENT")
+_LIBRARY.define("bf16_rows(Tensor x, Tensor packed, Tensor? bias, SymInt n) -> Tensor")
+_LIBRARY.impl("bf16_rows", lambda x, packed, bias, n: linear(x, packed, n, bias), "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("rollout_ssd::bf16_rows")
+def _bf16_rows_shape(x, packed, bias, n):
+    return x.new_empty(x.shape[0], n)

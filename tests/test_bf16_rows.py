@@ -1,0 +1,180 @@
+"""The bf16 rows kernel (models/bf16_rows.py, csrc/bf16_rows.c): its error bounded against float64 at the
+decoder's shapes, a row's result independent of the batch it is in and of the thread count, the forms
+cpu_backend routes to it, its op inside a compiled function, the build's cache and failure path, and
+SmolLM2's bf16 decode and verify steps through it against transformers' float32 logits.
+
+Runs where the CPU has avx512_bf16 and a C compiler is found; elsewhere the kernel is off (its
+availability test says so) and the rest skips."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rollout_ssd.models import bf16_rows
+from rollout_ssd.models.cpu_backend import BF16_ROWS_MAX_ROWS, WeightCopies, packed_linear
+
+needs_kernel = pytest.mark.skipif(not bf16_rows.available(), reason="no avx512_bf16 or no C compiler: the kernel is off")
+
+
+def case(n: int, k: int, m: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    return w, x, bias
+
+
+def error_bound(x: torch.Tensor, w: torch.Tensor, bias, ref: torch.Tensor) -> torch.Tensor:
+    """Per element: the bf16 output's rounding (unit roundoff 2^-8 of |ref|) plus float32 accumulation over
+    k / 2 pair steps and the bias (bf16 products are exact in float32; each step rounds at most twice: at
+    most (k + 2) * 2^-24 of the sum of magnitudes), with 1% slack for the bounds' second-order terms."""
+    k = x.shape[1]
+    mags = x.double().abs() @ w.double().abs().T
+    if bias is not None:
+        mags = mags + bias.double().abs()
+    return (2.0 ** -8 * ref.abs() + (k + 2) * 2.0 ** -24 * mags * (1 + 2.0 ** -8)) * 1.01
+
+
+def test_available_exactly_where_the_cpu_has_avx512_bf16():
+    if not bf16_rows.cpu_has_avx512_bf16():
+        assert not bf16_rows.available()
+    bf16_rows.set_enabled(False)
+    try:
+        assert not bf16_rows.available()
+    finally:
+        bf16_rows.set_enabled(True)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (3072, 576), (8192, 576), (49, 34), (200, 2)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 13, 16])
+def test_kernel_is_within_its_rounding_bound_of_float64(shape, rows):
+    w, x, bias = case(*shape, rows, seed=rows * 1000 + shape[0])
+    packed = bf16_rows.pack(w)
+    for b in (None, bias):
+        out = bf16_rows.linear(x, packed, shape[0], b)
+        assert out.shape == (rows, shape[0]) and out.dtype == torch.bfloat16
+        ref = x.double() @ w.double().T + (0 if b is None else b.double())
+        assert ((out.double() - ref).abs() <= error_bound(x, w, b, ref)).all()
+
+
+@needs_kernel
+def test_a_rows_result_does_not_depend_on_its_batch_or_the_thread_count():
+    w, x, bias = case(1000, 576, 16, seed=7)  # 1000: the last tile of 64 is partial
+    packed = bf16_rows.pack(w)
+    alone = torch.cat([bf16_rows.linear(x[i:i + 1], packed, 1000, bias) for i in range(16)])
+    for m in range(1, 17):  # groups of up to 7 rows: 8 = 4 + 4, 13 = 7 + 6, ...
+        assert torch.equal(bf16_rows.linear(x[:m], packed, 1000, bias), alone[:m]), m
+        assert torch.equal(bf16_rows.linear(x[16 - m:], packed, 1000, bias), alone[16 - m:]), m
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            assert torch.equal(bf16_rows.linear(x, packed, 1000, bias), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_packed_linear_routes_few_rows_to_the_kernel_and_more_to_onednn():
+    w, x, bias = case(130, 64, BF16_ROWS_MAX_ROWS + 1, seed=3)
+    copies = WeightCopies()
+    few = x[:BF16_ROWS_MAX_ROWS]
+    got = packed_linear(few[None], w, copies, "w", bias)  # [1, M, K] as the decoder passes it
+    assert set(copies._copies) == {"w:rows"}
+    assert torch.equal(got[0], bf16_rows.linear(few, bf16_rows.pack(w), 130, bias))
+    assert torch.equal(packed_linear(x, w, copies, "w", bias), F.linear(x, w, bias))  # oneDNN: bitwise F.linear
+    assert set(copies._copies) == {"w:rows", "w:packed"}
+    with torch.no_grad():
+        w.mul_(-2)  # an update_weights-style write: the kernel's copy is remade
+    assert torch.equal(packed_linear(few, w, copies, "w"), bf16_rows.linear(few, bf16_rows.pack(w), 130))
+    odd = case(40, 33, 2, seed=4)  # an odd k: the kernel's pairs do not apply, oneDNN serves it
+    assert torch.equal(packed_linear(odd[1], odd[0], copies, "odd"), F.linear(odd[1], odd[0]))
+
+
+@needs_kernel
+def test_the_op_compiled_steps_call_equals_the_eager_kernel():
+    w, x, bias = case(100, 64, 5, seed=5)
+    packed = bf16_rows.pack(w)
+    expected = bf16_rows.linear(x, packed, 100, bias)
+    assert torch.equal(torch.ops.rollout_ssd.bf16_rows(x, packed, bias, 100), expected)
+    compiled = torch.compile(lambda x, p, b: torch.ops.rollout_ssd.bf16_rows(x, p, b, 100) * 2, fullgraph=True)
+    assert torch.equal(compiled(x, packed, bias), expected * 2)
+
+
+def test_shape_errors_name_what_was_wrong():
+    with pytest.raises(ValueError, match="even number of columns"):
+        bf16_rows.pack(torch.zeros(4, 3, dtype=torch.bfloat16))
+    packed = bf16_rows.pack(torch.zeros(4, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="does not fit"):
+        bf16_rows.linear(torch.zeros(2, 6, dtype=torch.bfloat16), packed, 4)
+    with pytest.raises(ValueError, match="does not fit"):
+        bf16_rows.linear(torch.zeros(2, 8), packed, 4)
+
+
+@pytest.mark.skipif(not bf16_rows.cpu_has_avx512_bf16(), reason="the build targets avx512_bf16")
+def test_build_is_cached_by_source_and_a_failed_build_leaves_the_kernel_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("ROLLOUT_SSD_KERNEL_CACHE", str(tmp_path))
+    try:
+        first = bf16_rows.build()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("no working C compiler here")
+    assert first.parent == tmp_path and first.exists()
+    stamp = first.stat().st_mtime_ns
+    assert bf16_rows.build() == first and first.stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left
+    with pytest.raises(subprocess.CalledProcessError):
+        bf16_rows.build(compiler="false")  # a compiler that fails: a new key, nothing written
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]
+
+    def failing(compiler=None):
+        raise subprocess.CalledProcessError(1, ["cc"], stderr="cc: error: bad flags")
+
+    monkeypatch.setattr(bf16_rows, "build", failing)
+    bf16_rows._kernel.cache_clear()
+    try:
+        assert not bf16_rows.available()
+    finally:
+        monkeypatch.undo()
+        bf16_rows._kernel.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_default_bf16_decode_and_verify_steps_through_the_kernel_are_within_bf16_rounding(default_model_f32, hf_default):
+    """SmolLM2 in bf16, a prompt prefilled (oneDNN: many rows), then one-row decode steps and a 5-row
+    verify-shaped extend (the kernel), against transformers' float32 logits for the same positions:
+    the bounds of test_model's bf16 prefill test (max error at most 2x transformers' own bf16 max error,
+    mean error <= 0.35, the argmax equal to float32's wherever float32's top-2 margin exceeds 1.0)."""
+    from rollout_ssd.models.loader import build_decoder
+    from rollout_ssd.runner import ModelRunner
+    from tests.support.hf_reference import hf_logits
+
+    model = build_decoder(default_model_f32.hf_config, default_model_f32.model.hf_parameters(), torch.bfloat16)
+    hf_bf16 = copy.deepcopy(hf_default).to(torch.bfloat16)
+    tok = default_model_f32.tokenizer
+    ids = tok("Here is a short list of European countries and their capitals, as a geography teacher "
+              "would write it on the board. The capital of France is Paris. The capital of Italy is").input_ids
+    assert len(ids) > BF16_ROWS_MAX_ROWS
+    cont = tok(" Rome, and the capital of Spain is Madrid; of Germany,").input_ids[:10]
+    runner = ModelRunner(model, num_slots=1, max_len=64)
+    mine = [runner.prefill([0], [ids]).float()]
+    mine += [runner.decode([0], [t]).float() for t in cont[:5]]
+    mine.append(runner.extend([0], [cont[5:10]])[0].float())  # 5 rows: a verify of K + 1 = 5
+    mine = torch.cat(mine)[:-1]  # logits after ids[-1], cont[0], ..., cont[8]
+    full = ids + cont
+    ref = hf_logits(hf_default, full)[len(ids) - 1:len(full) - 1]
+    theirs = hf_logits(hf_bf16, full)[len(ids) - 1:len(full) - 1]
+    assert mine.shape == ref.shape
+    ours_err, hf_err = float((mine - ref).abs().max()), float((theirs - ref).abs().max())
+    assert ours_err <= 2 * hf_err, (ours_err, hf_err)
+    assert float((mine - ref).abs().mean()) <= 0.35
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 1.0
+    assert torch.equal(mine.argmax(-1)[clear], ref.argmax(-1)[clear])
+    assert any("rows" in key for key in model.layers[0].row_major._copies)  # the kernel served the steps
