@@ -19,15 +19,9 @@ from common import add_repo_to_path, machine_note, median, print_json_line, prin
 
 add_repo_to_path()
 
+from probe_gemv_in_graph import weights  # noqa: E402  (SmolLM2-135M's 121 linears, random bf16)
+
 from rollout_ssd.models import bf16_rows  # noqa: E402
-
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M's layer linears, [out, in]
-
-
-def weights(layers: int, seed: int = 0) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    out = [torch.randn(n, k, generator=gen).to(torch.bfloat16) * 0.05 for _ in range(layers) for n, k in SHAPES]
-    return out + [torch.randn(49152, 576, generator=gen).to(torch.bfloat16) * 0.05]
 
 
 def timed(fn, clock) -> float:
