@@ -9,6 +9,8 @@ availability test says so) and the rest skips."""
 from __future__ import annotations
 
 import copy
+import os
+import shutil
 import subprocess
 
 import pytest
@@ -40,14 +42,19 @@ def error_bound(x: torch.Tensor, w: torch.Tensor, bias, ref: torch.Tensor) -> to
     return (2.0 ** -8 * ref.abs() + (k + 2) * 2.0 ** -24 * mags * (1 + 2.0 ** -8)) * 1.01
 
 
-def test_available_exactly_where_the_cpu_has_avx512_bf16():
+def test_available_exactly_where_the_cpu_has_avx512_bf16_and_a_compiler_builds_it(monkeypatch):
+    """Off without avx512_bf16; with it and a C compiler the kernel must build and be on (a compile error
+    fails here with the compiler's output rather than skipping every kernel test); off when turned off."""
     if not bf16_rows.cpu_has_avx512_bf16():
         assert not bf16_rows.available()
-    bf16_rows.set_enabled(False)
-    try:
-        assert not bf16_rows.available()
-    finally:
-        bf16_rows.set_enabled(True)
+    elif shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc"):
+        try:
+            bf16_rows.build()
+        except subprocess.CalledProcessError as exc:
+            pytest.fail(f"the bf16 rows kernel does not compile: {exc.stderr}")
+        assert bf16_rows.available() or os.environ.get("ROLLOUT_SSD_BF16_ROWS") == "0"
+    monkeypatch.setattr(bf16_rows, "_ON", False)
+    assert not bf16_rows.available()
 
 
 @needs_kernel
@@ -115,15 +122,30 @@ def test_shape_errors_name_what_was_wrong():
         bf16_rows.linear(torch.zeros(2, 6, dtype=torch.bfloat16), packed, 4)
     with pytest.raises(ValueError, match="does not fit"):
         bf16_rows.linear(torch.zeros(2, 8), packed, 4)
+    with pytest.raises(ValueError, match="does not fit"):  # more outputs than the packed tiles hold
+        bf16_rows.linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed, 65)
+    with pytest.raises(ValueError, match="contiguous, 64-byte aligned"):
+        bf16_rows.linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed.transpose(1, 2).contiguous().transpose(1, 2), 4)
+    with pytest.raises(ValueError, match="bias has 3 elements"):
+        bf16_rows.linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed, 4, torch.zeros(3))
+
+
+@needs_kernel
+def test_no_rows_and_a_column_major_weight():
+    w, x, bias = case(128, 64, 3, seed=9)
+    packed = bf16_rows.pack(w)
+    assert bf16_rows.linear(x[:0], packed, 128, bias).shape == (0, 128)
+    column_major = w.t().contiguous().t()  # a float32 model's layer layout, cast to bf16 as is
+    assert torch.equal(bf16_rows.pack(column_major), packed)
+    assert packed_linear(x[:0], w, WeightCopies(), "w").shape == (0, 128)
 
 
 @pytest.mark.skipif(not bf16_rows.cpu_has_avx512_bf16(), reason="the build targets avx512_bf16")
 def test_build_is_cached_by_source_and_a_failed_build_leaves_the_kernel_off(tmp_path, monkeypatch):
     monkeypatch.setenv("ROLLOUT_SSD_KERNEL_CACHE", str(tmp_path))
-    try:
-        first = bf16_rows.build()
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip("no working C compiler here")
+    if not (shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler here")
+    first = bf16_rows.build()  # a compile error fails here
     assert first.parent == tmp_path and first.exists()
     stamp = first.stat().st_mtime_ns
     assert bf16_rows.build() == first and first.stat().st_mtime_ns == stamp  # reused, not rebuilt

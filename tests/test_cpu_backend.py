@@ -16,11 +16,9 @@ needs_packed = pytest.mark.skipif(not packed_bf16(), reason="this CPU has no bf1
 
 
 @pytest.fixture
-def onednn_only():
+def onednn_only(monkeypatch):
     """The oneDNN packed path at every row count: the bf16 rows kernel (tests/test_bf16_rows.py) off."""
-    bf16_rows.set_enabled(False)
-    yield
-    bf16_rows.set_enabled(True)
+    monkeypatch.setattr(bf16_rows, "_ON", False)
 
 
 @needs_packed
@@ -69,8 +67,9 @@ def test_bf16_decoder_outputs_are_unchanged_by_packing(tmp_path, monkeypatch, on
 
 
 def test_warm_packed_packs_every_linear_and_changes_no_output(tmp_path):
-    """warm_packed (done when an engine takes a model) packs each frozen bf16 weight once and leaves the
-    model's outputs bitwise as they were; a no-op where the packed form does not apply (float32)."""
+    """warm_packed (done when an engine takes a model) packs each frozen bf16 weight once per form it runs
+    in (oneDNN's, and the bf16 rows kernel's where that runs) and leaves the model's outputs bitwise as
+    they were; a no-op where the packed form does not apply (float32)."""
     from rollout_ssd.models.cpu_backend import warm_packed
     from rollout_ssd.models.loader import load_pretrained
     from rollout_ssd.runner import ModelRunner
@@ -83,7 +82,8 @@ def test_warm_packed_packs_every_linear_and_changes_no_output(tmp_path):
         if warm:
             warm_packed(model, rows=4)
             packed = sum(len(layer.row_major) for layer in model.layers) + len(model.copies)
-            assert packed == (4 * len(model.layers) + 1 if packed_bf16() and dtype == "bfloat16" else 0)
+            forms = int(packed_bf16()) + int(bf16_rows.available())  # oneDNN's copy, the rows kernel's
+            assert packed == ((4 * len(model.layers) + 1) * forms if dtype == "bfloat16" else 0)
         runner = ModelRunner(model, num_slots=2, max_len=32)
         outs.append(runner.prefill([0, 1], [[1, 2, 3, 4], [5, 6]]))
     assert torch.equal(outs[0], outs[1])

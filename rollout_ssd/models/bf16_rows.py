@@ -86,12 +86,11 @@ def _kernel():
     if not cpu_has_avx512_bf16():
         return None
     try:
-        path = build()
-    except (OSError, subprocess.CalledProcessError) as exc:
+        fn = ctypes.CDLL(str(build())).bf16_rows_linear
+    except (OSError, AttributeError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        log.warning("bf16 rows kernel not built (%s); bf16 linears keep oneDNN's packed kernels", detail)
+        log.warning("bf16 rows kernel not built or not loaded (%s); bf16 linears keep oneDNN's packed kernels", detail)
         return None
-    fn = ctypes.CDLL(str(path)).bf16_rows_linear
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     fn.restype = None
@@ -120,17 +119,22 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     if k % 2:
         raise ValueError(f"bf16_rows.pack needs an even number of columns, got a weight of shape {tuple(w.shape)}")
     tiles = -(-n // TILE)
-    padded = F.pad(w.detach(), (0, 0, 0, tiles * TILE - n))
+    padded = F.pad(w.detach().contiguous(), (0, 0, 0, tiles * TILE - n))
     return padded.view(tiles, TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [m, k] bf16 @ w.T (+ bias) -> [m, n] bf16, w given as `pack(w)`. Needs `available()`."""
     m, k = x.shape
-    if x.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16 or packed.shape[1] * 2 != k \
-            or packed.shape[0] * TILE < n:
+    if x.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16 or packed.dim() != 4 \
+            or tuple(packed.shape[1:]) != (k // 2, TILE, 2) or k % 2 or packed.shape[0] * TILE < n:
         raise ValueError(f"bf16_rows.linear: x {tuple(x.shape)} {x.dtype} does not fit packed "
                          f"{tuple(packed.shape)} {packed.dtype} with n={n}")
+    if not packed.is_contiguous() or packed.data_ptr() % 64 or not packed.is_cpu or not x.is_cpu:
+        raise ValueError("bf16_rows.linear: packed must be a contiguous, 64-byte aligned CPU tensor as pack() "
+                         "makes it, and x a CPU tensor")
+    if bias is not None and bias.numel() != n:
+        raise ValueError(f"bf16_rows.linear: bias has {bias.numel()} elements, n={n}")
     x = x.contiguous()
     b = None if bias is None else bias.detach().float().contiguous()
     out = torch.empty(m, n, dtype=torch.bfloat16)

@@ -195,10 +195,10 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: 
     `pack_live` made, where the step is a live one (`live_steps`), else None (a frozen step's F.linear,
     which inductor packs itself)."""
     m = x.numel() // x.shape[-1]
-    x2 = x.reshape(m, x.shape[-1])
     if torch.compiler.is_compiling():
         if not _LIVE or m > PACKED_BF16_MAX_ROWS:
             return None
+        x2 = x.reshape(m, x.shape[-1])
         rows = copies.live.get(name + ":rows") if m <= BF16_ROWS_MAX_ROWS else None  # made where the kernel runs
         packed = copies.live.get(name)
         if rows is not None:
@@ -214,6 +214,7 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: 
     if w.dtype != torch.bfloat16 or not w.is_cpu or w.requires_grad or x.requires_grad \
             or m > PACKED_BF16_MAX_ROWS:
         return None
+    x2 = x.reshape(m, x.shape[-1])
     if _rows_kernel(x, w, m):
         out = bf16_rows.linear(x2, copies.get(name + ":rows", w, bf16_rows.pack), w.shape[0], bias)
     elif packed_bf16():
@@ -265,6 +266,8 @@ def pack_live(model) -> None:
                 copies.live[name] = copies.get(name + ":packed", w, _pack)
             if bf16_rows.available() and w.shape[1] % 2 == 0:
                 copies.live[name + ":rows"] = copies.get(name + ":rows", w, bf16_rows.pack)
+            else:  # turned off since: steps traced from now on do not call it
+                copies.live.pop(name + ":rows", None)
 
 
 def _packs(model) -> bool:
@@ -329,8 +332,10 @@ def warm_packed(model, rows: int = WARM_ROWS) -> None:
         for w, bias, copies, name in _linear_weights(model):
             key = (tuple(w.shape), bias is not None, rows)
             sizes = range(kernel_rows + 1, rows + 1) if key not in _WARMED else (rows,)
-            for m in {1, *sizes}:  # 1 and `rows`: pack this weight in each form used
+            for m in {1, *sizes}:  # 1: the first form's copy (the rows kernel's where it runs)
                 packed_linear(torch.zeros(m, w.shape[1], dtype=w.dtype), w, copies, name, bias)
+            if packed_bf16():  # oneDNN's copy (prefill), also where the rows kernel took every size above
+                copies.get(name + ":packed", w, _pack)
             _WARMED.add(key)
 
 

@@ -80,6 +80,8 @@ static void tile_rows(int rows, const int32_t *x, long x_pairs, const __m512i *w
 void bf16_rows_linear(const uint16_t *x, long m, long k, const uint16_t *packed, long n, const float *bias,
                       uint16_t *out, int threads)
 {
+    if (m <= 0 || n <= 0)
+        return;
     const long pairs = k / 2, tiles = (n + TILE - 1) / TILE;
     const long groups = (m + MAX_GROUP - 1) / MAX_GROUP;
     const long per_group = (m + groups - 1) / groups;
