@@ -12,6 +12,7 @@ import copy
 import os
 import shutil
 import subprocess
+import tempfile
 
 import pytest
 import torch
@@ -153,6 +154,14 @@ def test_build_is_cached_by_source_and_a_failed_build_leaves_the_kernel_off(tmp_
     with pytest.raises(subprocess.CalledProcessError):
         bf16_rows.build(compiler="false")  # a compiler that fails: a new key, nothing written
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
+
+    blocked = tmp_path / "a file"
+    blocked.write_text("")
+    monkeypatch.setenv("ROLLOUT_SSD_KERNEL_CACHE", str(blocked / "kernels"))  # cannot be made: a read-only home
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    fallback = bf16_rows.build()
+    assert fallback.parent.parent == tmp_path / "tmp" and fallback.name == first.name
 
     def failing(compiler=None):
         raise subprocess.CalledProcessError(1, ["cc"], stderr="cc: error: bad flags")

@@ -14,7 +14,8 @@ kernels change their blocking with the row count). It is not bitwise F.linear (a
 order); tests bound it against a float64 reference.
 
 How it is built: with the C compiler found (`cc`, or $CC) on first use, into a cache directory
-($ROLLOUT_SSD_KERNEL_CACHE, else ~/.cache/rollout_ssd/kernels), keyed by the source and the flags, and
+($ROLLOUT_SSD_KERNEL_CACHE, else ~/.cache/rollout_ssd/kernels; a per-user folder of the temporary
+directory where that cannot be written), keyed by the source and the flags, and
 loaded with ctypes; its OpenMP threads are torch's own (the library links libgomp.so.1, which torch has
 loaded). Where the CPU has no avx512_bf16, no compiler is found or the build fails, `available()` is
 False and cpu_backend keeps oneDNN's packed linear. $ROLLOUT_SSD_BF16_ROWS=0 (or `set_enabled(False)`)
@@ -53,24 +54,35 @@ def cpu_has_avx512_bf16() -> bool:
     return {"avx512_bf16", "avx512bw", "avx512vl"} <= cpu_flags()
 
 
-def _cache_dir() -> Path:
+def _cache_dirs() -> list[Path]:
+    """Where built libraries live: $ROLLOUT_SSD_KERNEL_CACHE or ~/.cache/rollout_ssd/kernels, and a
+    per-user folder in the temporary directory where that one cannot be written (a read-only home)."""
     root = os.environ.get("ROLLOUT_SSD_KERNEL_CACHE") or Path.home() / ".cache" / "rollout_ssd" / "kernels"
-    return Path(root)
+    return [Path(root), Path(tempfile.gettempdir()) / f"rollout_ssd-kernels-{os.getuid()}"]
 
 
 def build(compiler: Optional[str] = None) -> Path:
     """Compile csrc/bf16_rows.c into the cache (once per source and flags) and return the library's path.
     Concurrent builders (an engine and its SSD worker process) each write a temporary file and rename
-    it, so a reader never sees half a library. Raises CalledProcessError / FileNotFoundError on failure."""
+    it, so a reader never sees half a library. Raises CalledProcessError / OSError on failure."""
     compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"bf16_rows-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    dirs = _cache_dirs()
+    for folder in dirs:
+        if (folder / f"bf16_rows-{key}.so").exists():
+            return folder / f"bf16_rows-{key}.so"
+    for folder in dirs:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+        except OSError:
+            continue
+        break
+    else:
+        raise OSError(f"no writable folder for the bf16 rows kernel among {[str(d) for d in dirs]}")
     os.close(fd)
+    target = folder / f"bf16_rows-{key}.so"
     try:
         subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True)
         os.replace(tmp, target)
