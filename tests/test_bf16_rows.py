@@ -209,3 +209,26 @@ def test_default_bf16_decode_and_verify_steps_through_the_kernel_are_within_bf16
     clear = (top2[:, 0] - top2[:, 1]) > 1.0
     assert torch.equal(mine.argmax(-1)[clear], ref.argmax(-1)[clear])
     assert any("rows" in key for key in model.layers[0].row_major._copies)  # the kernel served the steps
+
+
+@needs_kernel
+def test_pack_live_keeps_the_kernels_copies_while_it_runs_and_drops_them_once_it_is_off(tmp_path, monkeypatch):
+    """Live compiled steps call the kernel over `pack_live`'s copies where one is listed: listed for every
+    linear of a bf16 model while the kernel runs, removed once it is turned off (steps traced after that
+    then take oneDNN's op or the one-row reduction)."""
+    from rollout_ssd.models.cpu_backend import pack_live
+    from rollout_ssd.models.loader import load_pretrained
+    from tests.support.models import build_tiny
+
+    build_tiny(tmp_path, family="qwen2-bias-tied")
+    model = load_pretrained(str(tmp_path), dtype="bfloat16").model
+    pack_live(model)
+    names = {"wqkv:rows", "wo:rows", "w_gate_up:rows", "w_down:rows"}
+    assert all(names <= set(layer.row_major.live) for layer in model.layers)
+    assert "lm_head:rows" in model.copies.live
+    first = model.layers[0].row_major.live["wo:rows"]
+    assert torch.equal(first, bf16_rows.pack(model.layers[0].wo))
+    monkeypatch.setattr(bf16_rows, "_ON", False)
+    pack_live(model)
+    assert not any(key.endswith(":rows") for layer in model.layers for key in layer.row_major.live)
+    assert "lm_head:rows" not in model.copies.live

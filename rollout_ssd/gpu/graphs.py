@@ -18,8 +18,9 @@ eager step goes, and attention reads only the used cache length (the one dynamic
   its C++ templates where they measure faster: the fastest step, for fixed weights. A write to any
   weight turns the frozen steps into live ones (compiled anew, once);
 - "live": the weights stay the graph's inputs, so a step follows every update (RL) with no recompile;
-  a one-row bf16 linear is a reduction inductor fuses, and where the CPU has native bf16 more rows run
-  oneDNN's packed kernels over copies `cpu_backend.pack_live` repacks after a write (F.linear otherwise).
+  bf16 linears run cpu_backend's kernels (the bf16 rows kernel, oneDNN's packed linear) as ops over
+  copies `cpu_backend.pack_live` repacks after a write, a one-row linear as a reduction inductor fuses
+  where the rows kernel does not run (F.linear where the CPU has no native bf16).
 Compiled steps run one at a time in a process (`_COMPILED`): inductor's options and the live flag they
 are compiled under are process-wide.
 

@@ -1,6 +1,6 @@
 """A few rows times a bf16 weight on CPUs with avx512_bf16: the C kernel in csrc/bf16_rows.c.
 
-Why a kernel of our own: at 1..16 rows (a decode step, a verify of K+1 tokens, a draft's tree step) a
+Why a kernel of our own: at a few rows (a decode step, a verify of K+1 tokens, a draft's tree step) a
 linear is bound by reading its weight, and every CPU kernel found for bf16 (oneDNN's packed linear,
 inductor's reductions and GEMM templates) converts each weight element to float32 and multiplies in
 float32: from 2 rows on they are compute-bound at under half the memory's read speed, so a verify cost
@@ -15,11 +15,11 @@ order); tests bound it against a float64 reference.
 
 How it is built: with the C compiler found (`cc`, or $CC) on first use, into a cache directory
 ($ROLLOUT_SSD_KERNEL_CACHE, else ~/.cache/rollout_ssd/kernels; a per-user folder of the temporary
-directory where that cannot be written), keyed by the source and the flags, and
-loaded with ctypes; its OpenMP threads are torch's own (the library links libgomp.so.1, which torch has
-loaded). Where the CPU has no avx512_bf16, no compiler is found or the build fails, `available()` is
-False and cpu_backend keeps oneDNN's packed linear. $ROLLOUT_SSD_BF16_ROWS=0 (or `set_enabled(False)`)
-turns it off.
+directory where that cannot be written), keyed by the source and the flags, and loaded with ctypes; its
+OpenMP threads are torch's own (the library links libgomp.so.1, which torch has loaded). Where the CPU
+has no avx512_bf16, no compiler is found, or the build or the load fails, `available()` is False and
+cpu_backend keeps oneDNN's packed linear. $ROLLOUT_SSD_BF16_ROWS=0 (or `set_enabled(False)`) turns it
+off.
 
 Inside a compiled step the kernel is the op `rollout_ssd::bf16_rows`, which inductor calls as an opaque
 kernel over the packed copy (a graph input, so a live step follows weight updates).

@@ -182,8 +182,13 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
 BF16_ROWS_MAX_ROWS = 32
 
 
+def _rows_kernel_serves(w: torch.Tensor) -> bool:
+    """Whether the bf16 rows kernel can take this weight: it runs here and w has whole pairs of columns."""
+    return w.shape[1] % 2 == 0 and bf16_rows.available()
+
+
 def _rows_kernel(x: torch.Tensor, w: torch.Tensor, m: int) -> bool:
-    return m <= BF16_ROWS_MAX_ROWS and x.dtype == torch.bfloat16 and w.shape[1] % 2 == 0 and bf16_rows.available()
+    return m <= BF16_ROWS_MAX_ROWS and x.dtype == torch.bfloat16 and _rows_kernel_serves(w)
 
 
 def packed_linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,
@@ -264,7 +269,7 @@ def pack_live(model) -> None:
         for w, _, copies, name in _linear_weights(model):
             if packed_bf16():
                 copies.live[name] = copies.get(name + ":packed", w, _pack)
-            if bf16_rows.available() and w.shape[1] % 2 == 0:
+            if _rows_kernel_serves(w):
                 copies.live[name + ":rows"] = copies.get(name + ":rows", w, bf16_rows.pack)
             else:  # turned off since: steps traced from now on do not call it
                 copies.live.pop(name + ":rows", None)
@@ -331,7 +336,7 @@ def warm_packed(model, rows: int = WARM_ROWS) -> None:
     with torch.inference_mode():
         for w, bias, copies, name in _linear_weights(model):
             key = (tuple(w.shape), bias is not None, rows)
-            sizes = range(kernel_rows + 1, rows + 1) if key not in _WARMED else (rows,)
+            sizes = range(kernel_rows + 1, rows + 1) if key not in _WARMED else ()  # oneDNN's kernels, once
             for m in {1, *sizes}:  # 1: the first form's copy (the rows kernel's where it runs)
                 packed_linear(torch.zeros(m, w.shape[1], dtype=w.dtype), w, copies, name, bias)
             if packed_bf16():  # oneDNN's copy (prefill), also where the rows kernel took every size above
