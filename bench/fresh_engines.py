@@ -8,7 +8,8 @@ workload by workload, `--repeats` times over, so machine noise hits them alike. 
   - batch1: 4 chat prompts of the held-out templates, one `sample` call each, greedy, 96 tokens;
   - grpo: 6 prompts x n=4, T=1, EOS on, up to 160 new tokens (a GRPO step's rollouts).
 Table (tok/s per method, SSD against the better of AR and SD, SSD's rounds and their seconds by strategy
-per run, next to the whole call's seconds), JSON last line.
+per run, "(calibration)" the AR calibration steps inside them, next to the whole call's seconds), JSON
+last line.
 
     .venv/bin/python bench/fresh_engines.py
     .venv/bin/python bench/fresh_engines.py --workloads demo --repeats 1
@@ -57,8 +58,9 @@ def run(method: str, name: str) -> dict:
         seconds = time.perf_counter() - t0
         m = engine.metrics()
     by_plan: dict[str, float] = {}
-    for r in trace or []:
+    for r in trace or []:  # a round's seconds include its AR calibration, also summed apart
         by_plan[r["strategy"]] = by_plan.get(r["strategy"], 0.0) + r["seconds"]
+        by_plan["(calibration)"] = by_plan.get("(calibration)", 0.0) + r["calibration_seconds"]
     return {"tokens": tokens, "seconds": seconds, "accept": m.get(names.SPEC_ACCEPT_RATE),
             "rounds": m.get(names.SSD_STRATEGY_ROUNDS), "plan_seconds": by_plan}
 

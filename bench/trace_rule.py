@@ -35,11 +35,14 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--rounds-shown", type=int, default=12, help="rounds of each call printed (all are in the JSON)")
     p.add_argument("--quick", action="store_true", help="batch 4, 12 tokens, 1 call")
+    p.add_argument("--dtype", default="float32", help='the pair\'s dtype ("auto": the engine\'s default)')
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads (0: torch's default, the engine's)")
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.new_tokens, args.repeats = 4, 12, 1
-    torch.set_num_threads(1)
-    target, draft = load_default_pair()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, draft = load_default_pair(dtype=args.dtype)
     prompts = bench_prompts(target.tokenizer, "unseen", args.batch)
     cfg = EngineConfig(max_batch_size=args.batch, max_model_len=max(map(len, prompts)) + args.new_tokens + 8)
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)

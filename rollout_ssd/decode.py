@@ -120,6 +120,10 @@ class DecodeStrategy(ABC):
     def on_weights_changed(self) -> None:
         """The target's weights changed between rounds: drop anything derived from them."""
 
+    def on_idle(self) -> None:
+        """No request is left: the thread that ran the rounds is handed back as it was before them
+        (an SSD engine's rounds narrow it to one CPU core beside its worker)."""
+
     def close(self) -> None:
         """Release processes or other resources."""
 

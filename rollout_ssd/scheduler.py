@@ -207,6 +207,7 @@ class Scheduler:
                 self._stop_driving()
             raise
         finally:
+            self._strategy().on_idle()  # in the driving thread, which the rounds ran in
             if produced:
                 self._stats.add_time(time.perf_counter() - start, produced)
 

@@ -43,7 +43,9 @@ def test_narrow_and_widen_set_this_threads_cores_and_threads():
         torch.set_num_threads(2)
         before = _state()
         split, worker_core = split_for_worker(True)
-        assert worker_core == CORES[1] and _state() == ({CORES[0]}, 1) and not split.is_wide
+        assert worker_core == CORES[1] and _state() == before and split.is_wide  # made wide: rounds narrow it
+        split.narrow()
+        assert _state() == ({CORES[0]}, 1) and not split.is_wide
         split.widen()
         assert _state() == before and split.is_wide
         split.narrow()

@@ -640,6 +640,9 @@ def _decided_chooser(inputs):
 
     config = SSDConfig(k=inputs.k, worker=False, strategy_rule=True)
     chooser = Chooser(config, LiveEstimates(EstimatesConfig(k=inputs.k)), EngineMetrics(), backup=None)
+    for batch in (1, 2, 4, 8, 16):  # every plan timed at every bucket used: nothing left to explore
+        for name in ("decode", "plain_verify", "plain_draft") + ("verify",) * config.decide_after:
+            chooser.estimates.observe_time(name, 0.01, batch)
     chooser.estimates.inputs = lambda batch: dataclasses.replace(inputs, batch_size=batch)
     for _ in range(config.decide_after):
         chooser.count_round(Plan.SSD_DRAFT, cold=False)
@@ -663,6 +666,58 @@ def test_chooser_probes_a_close_runner_up_now_and_then_and_keeps_its_choice(sd_d
     expected = [Plan.SD if probes and (i + 1) % PROBE_EVERY == 0 else Plan.AR for i in range(3 * PROBE_EVERY)]
     assert plans == expected and chooser.current is Plan.AR
     assert [chooser.choose(4) for _ in range(PROBE_EVERY - 1)] == [Plan.AR] * (PROBE_EVERY - 1)  # its own count
+
+
+def _fresh_chooser(k: int = 3):
+    from rollout_ssd.metrics import EngineMetrics
+    from rollout_ssd.ssd.chooser import Chooser
+
+    config = SSDConfig(k=k, worker=False, strategy_rule=True)
+    return Chooser(config, LiveEstimates(EstimatesConfig(k=k)), EngineMetrics(), backup=None), config
+
+
+@pytest.mark.parametrize("v,explored", [(None, True), (0.74, True), (0.69, False)])
+def test_chooser_measures_ar_then_sd_then_ssd_unless_corollary_9_caps_it_below_them(v, explored):
+    """At a batch bucket not decided at, the chooser runs AR (one timed round), then SD, then SSD for
+    decide_after timed rounds, then lets the rule decide; SSD is skipped when its cap, b * E(a, K) * v /
+    t_verify(SD) with v = (AR step on every core) / (AR step on the target's own core), is at most the
+    best measured plan's rate. Priors here: a = 0.6 (E = 2.176 at K = 3); AR 1 / 0.02 = 50 tok/s, SD
+    2.176 / (0.025 + 0.01) = 62.2 tok/s; the cap at v = 1 is 2.176 / 0.025 = 87.0, so SSD is explored
+    for v > 62.2 / 87.0 = 0.714 (0.74) and not below (0.69)."""
+    from rollout_ssd.ssd.chooser import Plan
+
+    chooser, config = _fresh_chooser()
+    est = chooser.estimates
+    assert chooser.choose(1) is Plan.AR  # nothing timed yet
+    est.observe_time("decode", 0.02, 1)
+    if v is not None:
+        est.observe_time("decode_narrow", 0.02 / v, 1)
+    assert chooser.choose(1) is Plan.SD
+    est.observe_time("plain_verify", 0.025, 1)
+    est.observe_time("plain_draft", 0.01, 1)
+    plans = []
+    for _ in range(config.decide_after + 1):
+        plans.append(chooser.choose(1))
+        if plans[-1].is_ssd:
+            est.observe_time("verify", 0.03, 1)
+    rule_scores = chooser.stats.ssd_state["scores"]
+    assert rule_scores["ar"] == pytest.approx(50.0) and rule_scores["sd"] == pytest.approx(2.176 / 0.035)
+    if explored:
+        assert plans[:-1] == [Plan.SSD_DRAFT] * config.decide_after
+        assert plans[-1].label == max(rule_scores, key=rule_scores.get)  # then the rule decides
+    else:  # never an SSD round: the rule decides between AR and SD (SD: 62.2 tok/s)
+        assert plans == [Plan.SD] * len(plans) and not est.measured("verify", 1)
+    assert chooser.budget_cap(1) is None  # decided at bucket 1
+
+
+def test_chooser_tries_a_plan_whose_rounds_time_nothing_once_more_then_moves_on():
+    """A round of first rounds times nothing: a plan is run at most one round more than the timed rounds
+    it needs (AR and SD: 1, SSD: decide_after), then the next plan is explored."""
+    from rollout_ssd.ssd.chooser import Plan
+
+    chooser, config = _fresh_chooser()
+    plans = [chooser.choose(1) for _ in range(2 + 2 + config.decide_after + 1)]
+    assert plans == [Plan.AR] * 2 + [Plan.SD] * 2 + [Plan.SSD_DRAFT] * (config.decide_after + 1)
 
 
 def test_budget_capped_until_the_rule_has_chosen_at_a_batch_size():

@@ -170,6 +170,8 @@ def test_target_takes_the_workers_core_in_rounds_that_leave_it_idle(pair, ar_out
 
     wide = (os.sched_getaffinity(0), torch.get_num_threads())  # before the worker takes a core
     engine = ssd_engine(*pair, batch=3, k=3, fanout=(1, 1, 1, 2), worker=True)
+    # made and between calls the calling thread is wide: another engine it drives runs on every core
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == wide
     ssd = engine.strategy
     turns = itertools.cycle([Plan.SSD_DRAFT, Plan.AR, Plan.SSD_DRAFT, Plan.SD, Plan.AR])
     ssd.chooser.choose = lambda batch, fallback=None: next(turns)
@@ -187,6 +189,11 @@ def test_target_takes_the_workers_core_in_rounds_that_leave_it_idle(pair, ar_out
     requests, request = [], ssd.draft.request_chains
     ssd.draft.request_chains = lambda *a: (requests.append(1), request(*a))[1]
     assert [r.token_ids for r in engine.sample(PROMPTS, GREEDY)] == ar_out
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == wide
+    ssd.chooser.choose = lambda batch, fallback=None: Plan.SSD_DRAFT  # a call whose every round narrows
+    assert [r.token_ids for r in engine.sample(PROMPTS[:1], GREEDY)] == ar_out[:2]
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == wide
+    ssd.chooser.choose = lambda batch, fallback=None: next(turns)
     # SD rounds draft in this process with the SD engine's speculator (the worker would draft on its one
     # core, over the whole vocabulary) and never ask the worker; SSD rounds ask it
     assert ssd.sd is not None and all(in_process == (plan is Plan.SD) for plan, in_process in asked)

@@ -2,18 +2,24 @@
 
 Per round it returns a `Plan`: SSD with a backup (the draft model, suffix or random), plain SD with the
 draft model, suffix speculation, or AR. Around the rule's scores it keeps
-  - a default (SSD with the configured backup) until the rule has timed rounds to go by, and while
-    fewer than decide_after speculating rounds were timed it leaves the default only for a plan that
-    scores decide_margin better (one round's timings are noisy);
+  - at a batch bucket not yet decided at, rounds that measure each plan, cheapest first (`_explore`):
+    AR, plain speculation, then SSD for decide_after timed rounds, skipped where Corollary 9's cap says
+    SSD cannot beat what was measured (on a CPU its verify runs on fewer cores beside the worker) and
+    dropped early when its first timed rounds score decide_margin below the best other; every such
+    round emits tokens (a calibration step does not). With the rule off, the default SSD plan;
   - the hysteresis per batch bucket: what was chosen at a batch size stands there (a sample() call's
     tail at a few sequences says nothing about the next call's full batch);
-  - AR's decode time, calibrated by an occasional timed AR step of the batch (`calibrate`).
+  - AR's decode time, calibrated by an occasional timed AR step of the batch (`calibrate`);
+  - rounds of plans the rule scores without having timed them at a batch size (SD's verify derived from
+    SSD's, priors), tried once when close (`_unmeasured`), and of a close runner-up now and then
+    (`_probe`): a plan that never runs is never measured.
 After a draft worker failure the draft side's fallback decides instead (SD in process, or AR).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from enum import Enum
 from typing import Optional
 
@@ -21,10 +27,11 @@ from rollout_ssd.gpu.timing import DeviceTimer
 from rollout_ssd.metrics import EngineMetrics
 from rollout_ssd.runner import ModelRunner
 from rollout_ssd.sequence import Sequence
+from rollout_ssd.ssd import rule as rules
 from rollout_ssd.ssd.config import SSDConfig
 from rollout_ssd.ssd.cores import TargetCores
 from rollout_ssd.ssd.estimates import LiveEstimates
-from rollout_ssd.ssd.rule import StrategyConfig, StrategyRule
+from rollout_ssd.ssd.rule import StrategyConfig, StrategyInputs, StrategyRule, expected_tokens_per_round
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +39,13 @@ CALIBRATE_EVERY = 128  # speculating rounds between AR decode-time calibrations,
 EXPLORE_TREE_ROWS = 32  # tree rows (branches over the batch) of a cache built before the rule has chosen
 PROBE_EVERY = 32  # decided rounds at a batch size between probes of the runner-up plan
 PROBE_WITHIN = 0.25  # ... probed when it scores within this fraction of the chosen plan
+UNMEASURED_WITHIN = 0.5  # a plan never timed at a batch size: run at once when it scores within this
+UNMEASURED_TRIES = 2  # ... at most this many times per batch size (a round of first rounds times nothing)
+UNMEASURED_AFTER = 4  # ... once this many rounds were decided there (a generation's short tail tries none)
+EXPLORE_ORDER = ("ar", "sd", "suffix", "ssd+neural", "ssd+suffix", "ssd+random")  # cheapest to measure first
+# the times that say a plan was measured (not scored from priors, or derived from other plans' times)
+MEASURED_BY = {"ssd+neural": ("verify",), "ssd+suffix": ("verify",), "ssd+random": ("verify",),
+               "sd": ("plain_verify", "plain_draft"), "suffix": ("plain_verify",), "ar": ("decode",)}
 FIRST_CALIBRATION_GAP = 16  # rounds after the warm-up calibrations (each costs one AR step of the batch)
 
 
@@ -104,57 +118,130 @@ class Chooser:
         self._measured_rounds = 0  # speculating rounds timed so far (SSDConfig.decide_after)
         self._calibrations, self._rounds_since_calibration = 0, 0
         self._since_probe: dict[int, int] = {}  # batch_bucket -> decided rounds since its last probe
+        self._tries: dict[tuple[int, str], int] = {}  # (batch_bucket, plan label) -> unmeasured-plan rounds run
+        self._decided_rounds: dict[int, int] = {}  # batch_bucket -> rounds decided there
 
     def choose(self, batch: int, fallback: Optional[Plan] = None) -> Plan:
-        """The plan for a round of `batch` sequences; `fallback` (the draft side failed) overrides it."""
+        """The plan for a round of `batch` sequences; `fallback` (the draft side failed) overrides it.
+        At a batch bucket not yet decided at, the plans are measured first (`_explore`), then the rule
+        decides: its choice stands there by the hysteresis, with `_probe`'s rounds of the others."""
         if fallback is not None:
             return fallback
-        # few timed rounds yet: noisy estimates. Over once a plan was taken for a clear lead (it then
-        # stands by the hysteresis like any choice; AR rounds add no speculating round to the count)
-        early = not self.decided and self._measured_rounds < self.config.decide_after
-        if early and not self._measured_rounds:
-            return self.default
+        if self.rule.config.fixed is not None:
+            return self._choose_fixed(batch)
+        bucket = batch_bucket(batch)
         try:
             inputs = self.estimates.inputs(batch)
-        except ValueError:  # a time the rule needs was never measured
-            return self.default
-        # the first decision at a batch size (the plan so far was a default, not a choice) is taken at once
-        bucket = batch_bucket(batch)
-        current = self._choices.get(bucket) if self.decided else None
+        except ValueError:  # nothing timed yet (a round of first rounds times nothing)
+            inputs = None
+        if bucket not in self._choices:
+            plan = self._explore(bucket, inputs)
+            if plan is not None and inputs is not None:  # what the rule would say of the plan measured
+                self._publish(plan, inputs, rules.strategy_scores(inputs, self.rule.config.candidates), math.nan)
+            if plan is not None or inputs is None:
+                self.current = plan or self.current
+                return self.current
+        current = self._choices.get(bucket)
         decision = self.rule.decide(inputs, current=None if current is None else current.label)
         chosen, scores = Plan(decision.chosen), decision.scores
-        if early:  # leave the default only for a plan clearly better than it, beyond the noise
-            margin = 1 + self.config.decide_margin
-            if self.rule.config.fixed is not None or scores[chosen.label] <= scores[self.default.label] * margin:
-                chosen = self.default
-        self.decided = not early or chosen is not self.default  # early only while not yet decided
+        excluded = self._excluded(bucket, inputs, scores)
+        if chosen.label in excluded:
+            chosen = Plan(max((c for c in self.rule.config.candidates if c not in excluded), key=scores.get))
         if chosen is not self.current:
             log.info("SSD strategy %s -> %s (b=%d, p_hit=%.3f, scores %s, b*=%.3g)", self.current.label,
                      chosen.label, batch, inputs.p_hit, {k: round(v, 2) for k, v in scores.items()}, decision.b_star)
         log.debug("SSD strategy %s: inputs %s", chosen.label, inputs)
-        self.current = chosen
-        if self.decided:
-            self._choices[bucket] = chosen
-            chosen = self._probe(bucket, chosen, scores)
-        # the rule's own inputs; a round that measures T_p / T_b directly overwrites them (telemetry)
+        self.current, self.decided, self._choices[bucket] = chosen, True, chosen
+        ran = self._probe(bucket, chosen, scores, excluded)
+        self._publish(ran, inputs, scores, decision.b_star)
+        return ran
+
+    def _choose_fixed(self, batch: int) -> Plan:
+        """The rule fixed to one plan (strategy_rule off: the default): the default for the first
+        decide_after timed speculating rounds, then the fixed plan."""
+        early = not self.decided and self._measured_rounds < self.config.decide_after
+        chosen = self.default if early else Plan(self.rule.config.fixed)
+        self.decided, self.current = not early, chosen
+        try:
+            inputs = self.estimates.inputs(batch)
+        except ValueError:
+            return chosen
+        decision = self.rule.decide(inputs)
+        self._publish(chosen, inputs, decision.scores, decision.b_star)
+        return chosen
+
+    def _publish(self, ran: Plan, inputs: StrategyInputs, scores: dict[str, float], b_star: float) -> None:
+        """The rule's state for the `ssd/*` metrics: the plan run, the scores, the prediction for the plan
+        run (its score over AR's) and the rule's own T_p / T_b (a round that measures them overwrites)."""
         timing = {"T_p": inputs.primary_seconds / inputs.verify_seconds}
         if "draft" in inputs.draft_seconds:
             timing["T_b"] = inputs.draft_seconds["draft"] / inputs.verify_seconds
-        predicted = decision.predicted_speedup * scores[chosen.label] / scores[decision.chosen]  # of the one run
-        self.stats.set_ssd_state(strategy=chosen.label, b_star=decision.b_star, predicted_speedup=predicted,
+        ar = scores.get("ar") or inputs.batch_size / inputs.decode_seconds
+        self.stats.set_ssd_state(strategy=ran.label, b_star=b_star, predicted_speedup=scores[ran.label] / ar,
                                  scores=dict(scores), p_hit_estimate=inputs.p_hit, **timing)
-        return chosen
+
+    def _explore(self, bucket: int, inputs: Optional[StrategyInputs]) -> Optional[Plan]:
+        """The next plan to measure at a bucket the rule has not decided at, or None when each was
+        measured (or ruled out): AR first (the cheapest round; it also times one step on the target's own
+        core beside a worker: `calibrate`), then plain speculation, then SSD for decide_after timed rounds,
+        unless Corollary 9's cap (`_excluded`) says it cannot beat what was measured, or its first timed
+        rounds score decide_margin below the best other. Each round of it emits tokens; a round of first
+        rounds times nothing, hence one try more than the timed rounds needed."""
+        scores = rules.strategy_scores(inputs, self.rule.config.candidates) if inputs is not None else {}
+        excluded = self._excluded(bucket, inputs, scores) if inputs is not None else set()
+        for label in EXPLORE_ORDER:
+            if label not in self.rule.config.candidates or label in excluded:
+                continue
+            plan = Plan(label)
+            need = self.config.decide_after if plan.is_ssd else 1
+            have = min(self.estimates.times_measured(name, bucket) for name in MEASURED_BY[label])
+            tries = self._tries.get((bucket, label), 0)
+            if have >= need or tries > need:
+                continue
+            if plan.is_ssd and have and scores:
+                best = max(scores[c] for c in self._measured_others(bucket, scores))
+                if scores[label] < best * (1 - self.config.decide_margin):
+                    continue
+            self._tries[(bucket, label)] = tries + 1
+            return plan
+        return None
+
+    def _measured_others(self, bucket: int, scores: dict[str, float]) -> list[str]:
+        """The non-SSD plans timed at this bucket (AR, plain speculation): what an SSD plan must beat."""
+        return [c for c in scores if not Plan(c).is_ssd and c in self.rule.config.candidates
+                and all(self.estimates.measured(name, bucket) for name in MEASURED_BY[c])] or ["ar"]
+
+    def _excluded(self, bucket: int, inputs: StrategyInputs, scores: dict[str, float]) -> set[str]:
+        """SSD plans not yet timed at this bucket that cannot beat the best timed AR / plain plan:
+        Corollary 9's cap, here in tokens per second. A round of SSD costs at least one SSD verify, and
+        emits at most a full K-token draft chain's tokens E(a, K) per sequence (every verdict a hit, the
+        cache build hidden, no transfer); beside a worker on a CPU its verify runs on fewer cores, at
+        least SD's verify / v, v = (AR step on every core) / (AR step on the target's own core). So SSD
+        <= b * E(a, K) * v / t_verify(SD), which is SD's rate times v * (1 + T_SD) * E(a, K) / E_SD
+        (docs/THEORY.md, Corollary 9 on different hardware). Empty until AR or SD was timed here."""
+        measured = [c for c in self._measured_others(bucket, scores) if c in scores]
+        ssd = [c for c in self.rule.config.candidates if Plan(c).is_ssd and not self.estimates.measured("verify", bucket)]
+        if not ssd or not any(all(self.estimates.measured(n, bucket) for n in MEASURED_BY[c]) for c in measured):
+            return set()
+        est, b = self.estimates, inputs.batch_size
+        v = 1.0
+        if est.measured("decode_narrow", bucket) and est.measured("decode", bucket):
+            v = min(1.0, est.seconds("decode", b) / est.seconds("decode_narrow", b))
+        verify = inputs.plain_verify_seconds if est.measured("plain_verify", bucket) else inputs.decode_seconds
+        cap = b * expected_tokens_per_round(est.accept_rate("draft"), inputs.k) * v / verify
+        best = max(scores[c] for c in measured)
+        return set(ssd) if cap <= best else set()
 
     def budget_cap(self, batch: int) -> Optional[int]:
         """A bound on the fan-out budget per sequence while the rule has not chosen at this batch size:
-        the first rounds run SSD to measure it, and a full tree over a large batch costs several verifies
+        the exploring rounds run SSD to measure it, and a full tree over a large batch costs several verifies
         (the first call of a fresh engine would pay them); EXPLORE_TREE_ROWS branches over the batch in
         all. None once chosen, or with the rule off."""
         if self.rule.config.fixed is not None or batch_bucket(batch) in self._choices:
             return None
         return max(1, EXPLORE_TREE_ROWS // batch)
 
-    def _probe(self, bucket: int, chosen: Plan, scores: dict[str, float]) -> Plan:
+    def _probe(self, bucket: int, chosen: Plan, scores: dict[str, float], excluded: set[str]) -> Plan:
         """Every PROBE_EVERY decided rounds at a batch size, one round of the best other plan when it
         scores within PROBE_WITHIN of the chosen one: a plan that is not run is not measured, so its
         estimate keeps what its few (often first, slowest) rounds said, and a close call would otherwise
@@ -162,15 +249,40 @@ class Chooser:
         stands (the hysteresis decides on the next rounds as always)."""
         if self.rule.config.fixed is not None:
             return chosen
+        self._decided_rounds[bucket] = self._decided_rounds.get(bucket, 0) + 1
+        unmeasured = self._unmeasured(bucket, chosen, scores, excluded)
+        if unmeasured is not None:
+            return unmeasured
         self._since_probe[bucket] = self._since_probe.get(bucket, 0) + 1
         if self._since_probe[bucket] < PROBE_EVERY:
             return chosen
         self._since_probe[bucket] = 0
-        others = [c for c in self.rule.config.candidates if c != chosen.label]
+        others = [c for c in self.rule.config.candidates if c != chosen.label and c not in excluded]
         runner_up = max(others, key=lambda c: scores[c], default=None)
         if runner_up is None or scores[runner_up] < scores[chosen.label] * (1 - PROBE_WITHIN):
             return chosen
         return Plan(runner_up)
+
+    def _unmeasured(self, bucket: int, chosen: Plan, scores: dict[str, float], excluded: set[str]) -> Optional[Plan]:
+        """The best-scoring other plan never timed at this batch bucket, when it scores within
+        UNMEASURED_WITHIN of the chosen one (UNMEASURED_TRIES rounds at most): a plan that has not run is
+        scored from priors or from other plans' times (SD's verify from SSD's one-core verify beside a
+        cache build, scaled by AR's steps), which on a CPU were off by a fifth and more
+        (bench/RESULTS.md); one round of it measures it. None when every close plan is measured, and
+        before UNMEASURED_AFTER rounds were decided at the bucket."""
+        if self._decided_rounds[bucket] < UNMEASURED_AFTER:
+            return None
+        for label in sorted(scores, key=scores.get, reverse=True):
+            if label == chosen.label or label not in self.rule.config.candidates or label in excluded:
+                continue
+            if scores[label] < scores[chosen.label] * (1 - UNMEASURED_WITHIN):
+                return None
+            tries = self._tries.get((bucket, label), 0)
+            if tries < UNMEASURED_TRIES and not all(self.estimates.measured(name, bucket)
+                                                    for name in MEASURED_BY[label]):
+                self._tries[(bucket, label)] = tries + 1
+                return Plan(label)
+        return None
 
     def count_round(self, plan: Plan, cold: bool) -> None:
         """A round ran: an AR round measured AR's step (as a calibration does); a speculating round that
@@ -181,30 +293,42 @@ class Chooser:
             self._measured_rounds += not cold
 
     def calibrate(self, runner: ModelRunner, running: list[Sequence], cold: bool,
-                  cores: Optional[TargetCores] = None) -> float:
+                  cores: Optional[TargetCores] = None, plan: Optional[Plan] = None) -> float:
         """Time one plain AR decode forward of this batch (then undo it), so the rule compares against
         AR's real step time rather than a prior. On a CPU a verify of K+1 tokens costs more than one
         decode step (docs/THEORY.md §3), and without this the rule (and ssd/predicted_speedup) would assume
-        they cost the same. Done on each of the first `decide_after` timed speculating rounds (the
-        estimate is the median of the last few, so one slow step among them cannot set the first
-        decision), FIRST_CALIBRATION_GAP rounds later, then every CALIBRATE_EVERY (AR rounds are measured
-        as they run); never in a round of first rounds (`cold`, one-off costs). The round calls it between
-        the draft side's answer and the chains it is sent: the draft side is idle then, as it is while
+        they cost the same. With the rule fixed, done on each of the first `decide_after` timed
+        speculating rounds (the estimate is the median of the last few, so one slow step among them
+        cannot set the first decision); with it deciding, AR's own rounds measured the step first
+        (`_explore`). Then FIRST_CALIBRATION_GAP rounds later, then every CALIBRATE_EVERY (AR rounds are
+        measured as they run); never in a round of first rounds (`cold`, one-off costs). In an AR round
+        (`plan`) only the step on the target's own core is timed, once per batch bucket beside a worker.
+        The round calls it between the draft side's answer and the chains it is sent: the draft side is idle then, as it is while
         AR runs, so the step is not slowed by a cache build competing for memory bandwidth. With `cores`
-        (a worker process holds a core of its own) the step is timed as AR rounds run, on every core, and
-        once more on the target's own core ("decode_narrow": their ratio scales plain speculation's
-        verify and drafting until they are measured); the target's share is left as it was.
-        Returns the seconds spent."""
+        (a worker process holds a core of its own) the step is timed as AR rounds run, on every core, and,
+        while SD's rounds are not yet timed at this batch bucket, once more on the target's own core
+        ("decode_narrow": their ratio scales plain speculation's verify and drafting until they are
+        measured); the target's share is left as it was. Returns the seconds spent."""
         if cold:
             return 0.0
-        warmup = self.config.decide_after
+        bucket = batch_bucket(len(running))
+        if plan is Plan.AR:  # the round is AR's step on every core; beside a worker, one on its own core too
+            if cores is None or self.estimates.measured("decode_narrow", bucket):
+                return 0.0
+            cores.narrow()
+            seconds = self._time_step(runner, running, "decode_narrow")
+            cores.widen()
+            return seconds
+        # with the rule deciding, AR's rounds measured it first (`_explore`): later calibrations only
+        warmup = self.config.decide_after if self.rule.config.fixed is not None else 1
         gap = 0 if self._calibrations < warmup else FIRST_CALIBRATION_GAP if self._calibrations == warmup \
             else CALIBRATE_EVERY
         if self._calibrations and self._rounds_since_calibration < gap:
             self._rounds_since_calibration += 1
             return 0.0
         seconds, was_wide = 0.0, cores is None or cores.is_wide
-        if cores is not None:
+        plain_timed = all(self.estimates.measured(name, bucket) for name in MEASURED_BY["sd"])
+        if cores is not None and not plain_timed:
             cores.narrow()
             seconds += self._time_step(runner, running, "decode_narrow")
             cores.widen()

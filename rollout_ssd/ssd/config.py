@@ -33,10 +33,12 @@ class SSDConfig:
     keeps its current strategy unless another scores this fraction higher (two strategies within
     the estimates' noise would otherwise swap back and forth, each swap costing a cold round), and
     only once it has scored higher on switch_after decisions in a row (one slow round cannot move it).
-    decide_after: speculating rounds the rule measures (a generation's cold first round not counted)
-    before its first decision; until then it runs "ssd+<backup>" (a decision on one round's timings,
-    noisy on a shared CPU (bench/RESULTS.md), could settle on AR, after which SD and SSD are not measured again),
-    unless another strategy already scores decide_margin (a fraction) higher, beyond that noise.
+    decide_after: timed SSD rounds the rule measures at a batch size before it decides there (after one
+    timed AR round and one of SD: ssd/chooser.py; a decision on one round's timings, noisy on a shared
+    CPU (bench/RESULTS.md), could settle on a plan after which the others are measured only by probes);
+    SSD is measured for fewer when its first timed rounds score decide_margin (a fraction) below the
+    best other plan, beyond that noise. With the rule off, the first decide_after speculating rounds
+    run the default as before the fixed plan.
     worker: run the draft in its own process (its own core on a CPU, pinned when pin_cores). worker_timeout:
     seconds a reply may take before the worker is declared dead; startup_timeout: the same for start-up.
     fallback: what finishes the rollouts after a worker failure ("sd": the draft model in process, "ar").

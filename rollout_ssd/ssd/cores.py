@@ -5,7 +5,8 @@ worker builds the speculation cache the target must stay off that core, or the t
 round whose plan leaves the worker idle (AR, and SD's verify: the worker drafted its chains before and
 has nothing to do) has no reason to: `TargetCores.widen` gives the target every core it had (and its
 intra-op threads) back for that round, and `narrow` pins it to its own core again before an SSD round.
-Without it an SSD engine that falls back to AR or SD runs it on half the machine.
+Without it an SSD engine that falls back to AR or SD runs it on half the machine. Between calls the
+thread is wide (SSDDecode.on_idle), as it was before the engine was made.
 
 Both the affinity and OpenMP's thread count belong to the calling thread (the one running the rounds);
 the intra-op workers it starts inherit its affinity.
@@ -54,13 +55,13 @@ class TargetCores:
 
 
 def split_for_worker(pin: bool) -> tuple[TargetCores | None, int | None]:
-    """Pin the target to its first core and return (its TargetCores, the worker's core), or (None, None)
-    where the process has fewer than two cores or `pin` is off."""
+    """The target's TargetCores (its first core, and every core it has) and the worker's core, or
+    (None, None) where the process has fewer than two cores or `pin` is off. The calling thread is left
+    wide: SSD rounds narrow it and the engine widens it again when a call ends (other engines the same
+    thread drives must not find it on one core)."""
     if not pin or not hasattr(os, "sched_getaffinity"):
         return None, None
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         return None, None
-    split = TargetCores(set(cores), {cores[0]}, torch.get_num_threads())
-    split.narrow()
-    return split, cores[1]
+    return TargetCores(set(cores), {cores[0]}, torch.get_num_threads()), cores[1]

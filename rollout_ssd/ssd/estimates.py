@@ -237,10 +237,21 @@ class LiveEstimates:
         t = self._times[name].value(batch)
         if t is not None:
             return t
-        verify = None if name == "verify" else self._times["verify"].value(batch)
+        verify = self._times["verify"].value(batch)
+        if verify is None:  # no SSD round timed yet: the verify of a plain round, else an AR step, stands in
+            verify = self._times["plain_verify"].value(batch) or self._times["decode"].value(batch)
         if verify is None:
-            raise ValueError(f"no measurement of {name!r} nor of the verify time yet")
-        return self.config.prior_time_units[name] * verify
+            raise ValueError(f"no measurement of {name!r} nor of a verify or decode time yet")
+        return verify if name == "verify" else self.config.prior_time_units[name] * verify
+
+    def times_measured(self, name: str, bucket: int) -> int:
+        """How often time `name` was measured at the batch sizes of this batch bucket (`int.bit_length`
+        of the size: 1, 2-3, 4-7, ...; ssd/chooser.py's buckets); 0: it is a prior or derived there."""
+        times = self._times[name]
+        return sum(n for b, n in times.counts.items() if b.bit_length() == bucket)
+
+    def measured(self, name: str, bucket: int) -> bool:
+        return self.times_measured(name, bucket) > 0
 
     def _plain_seconds(self, name: str, batch: int) -> float:
         t = self._times[name].value(batch)

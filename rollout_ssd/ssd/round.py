@@ -86,7 +86,7 @@ class SSDDecode(DecodeStrategy):
         sd, cores = self._share(plan)  # SD in this process; the target's CPU share beside a worker
         # 1. the last verdicts out, this round's chains in (the cache, the draft on demand, a fast backup)
         rnd = self._propose_sd(running, ks) if sd else self._propose(running, ks, plan, fanout, cores)
-        calibration = self.chooser.calibrate(self.runner, running, rnd.cold, cores) if plan is not Plan.AR else 0.0
+        calibration = self.chooser.calibrate(self.runner, running, rnd.cold, cores, plan)
         # 2. the chains to the draft side, which builds the next cache from them (a worker: during step 3)
         told = rnd.reply is not None and self.draft.build(running, rnd.chains, ks, plan.is_ssd, fanout.fanout)
         t2 = time.perf_counter()
@@ -244,6 +244,10 @@ class SSDDecode(DecodeStrategy):
         self.draft.apply_draft_update(update, params, names)
         if self.sd is not None:  # it drafts with the same (now written) copy: drop what it built
             self.sd.weights_changed()
+
+    def on_idle(self) -> None:
+        if self.draft.cores is not None:  # rounds narrowed this thread beside the worker: wide between calls
+            self.draft.cores.widen()
 
     def on_weights_changed(self) -> None:
         self.draft.on_weights_changed()

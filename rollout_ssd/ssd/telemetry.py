@@ -4,7 +4,9 @@ engine's stats (`ssd/*` metrics) and, when asked for, a per-round trace (bench/t
 What is left out, and why:
   - a round of first rounds only (a generation's cold start) times nothing: it carries one-off costs
     (weight copies remade after a policy update, first touches of the KV cache) that later rounds do
-    not, and one such time would hold a plan's estimate down until that plan runs again;
+    not, and one such time would hold a plan's estimate down until that plan runs again; nor does an
+    SSD round with no cache built for any sequence (the first after AR or SD rounds: the draft side
+    catches up on every sequence's tokens while the target waits);
   - acceptance and tokens per round leave out each sequence's first round: the first tokens after a
     prompt are the easiest (bench/RESULTS.md), every rollout has one, and the rule decides about the
     rounds after it.
@@ -49,7 +51,10 @@ class RoundTelemetry:
     def observe(self, plan: Plan, fanout: FanoutPlan, rnd: Chains, ks: list[int], outcome: RoundOutcome,
                 verify_seconds: float) -> None:
         est, b = self.estimates, len(ks)
-        timed = (lambda name, seconds, batch: None) if rnd.cold else est.observe_time
+        # an SSD round for which no cache was built (after AR or SD rounds: the draft side catches up on
+        # every sequence) times nothing either: its wait is that one-off catch-up, not a cache's
+        unwarm = plan.is_ssd and not any(rnd.warm)
+        timed = (lambda name, seconds, batch: None) if rnd.cold or unwarm else est.observe_time
         # an AR round is a one-token step: AR's time, not a K+1-token verify's; a plain speculation
         # round's verify has no cache build beside it (and on a CPU may have the worker's core too)
         timed("decode" if plan is Plan.AR else "verify" if plan.is_ssd else "plain_verify", verify_seconds, b)
