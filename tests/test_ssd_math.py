@@ -536,7 +536,8 @@ def test_live_times_depend_on_the_batch_size():
     """A time seen at one batch size is scaled to another by (b + B0) / (b0 + B0); with two or more sizes
     seen, by the least-squares line alpha + beta * b (alpha, beta >= 0) whose slope is shrunk towards that
     prior shape with the weight of a spread of B0 in b: sizes close together (16 and 15 at the end of a
-    generation) extrapolate like one size, sizes far apart set the slope; a size seen is its own estimate."""
+    generation) extrapolate like one size, sizes far apart set the slope; a size seen OWN_AFTER (3) times
+    is its own estimate, one seen fewer is read off the line."""
     b0 = 4.0  # _BatchTimes.BATCH_PRIOR
 
     def fitted(points, b):  # the shrunk weighted least-squares line, written out
@@ -557,6 +558,10 @@ def test_live_times_depend_on_the_batch_size():
     assert est.seconds("decode", 1) == pytest.approx(fitted(points, 1))
     line = (0.28 - 0.10) / 12  # spread 6 > B0: closer to the two points' own line than to the prior
     assert abs(est.seconds("decode", 1) - (0.10 - 3 * line)) < abs(est.seconds("decode", 1) - 0.19 * 5 / 14)
+    # a size seen fewer than OWN_AFTER (3) times is read off the line (its points in it); then it stands alone
+    assert est.seconds("decode", 16) == pytest.approx(fitted(points, 16)) != pytest.approx(0.28)
+    for b, t in ((16, 0.28), (4, 0.10)):
+        est.observe_time("decode", t, b)
     assert est.seconds("decode", 16) == pytest.approx(0.28) and est.seconds("decode", 4) == pytest.approx(0.10)
     tail = LiveEstimates(EstimatesConfig(k=3))  # the end of a generation: 16 many times, then 15 once, slower
     for _ in range(40):
@@ -565,6 +570,9 @@ def test_live_times_depend_on_the_batch_size():
     scaled = 0.29 * (1 + b0) / (16 + b0)  # what 16 alone says about 1
     assert tail.seconds("verify", 1) == pytest.approx(fitted([(16, 0.29, 40), (15, 0.47, 1)], 1))
     assert abs(tail.seconds("verify", 1) - scaled) < 0.02  # without the prior: 0.33 (slope clamped at 0)
+    # the one slow step at 15 (a host hiccup) does not set 15's estimate: the line through both does
+    assert tail.seconds("verify", 15) == pytest.approx(fitted([(16, 0.29, 40), (15, 0.47, 1)], 15))
+    assert tail.seconds("verify", 15) < 0.30
     fresh = LiveEstimates(EstimatesConfig(k=3))  # no AR time known: verify times are kept as they are
     fresh.observe_time("verify", 0.5, 2)
     fresh.observe_time("verify", 0.1, 10)  # falling with b: slope clamped at 0, the weighted mean

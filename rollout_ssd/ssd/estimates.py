@@ -109,9 +109,13 @@ class _BatchTimes:
     with one b seen, or sizes close together (16 and 15 at the end of a generation, whose slope is
     noise), t(b) = t(b0) * (b + B0) / (b0 + B0); sizes spread widely set the slope themselves. The
     batch shrinks at the end of a generation and grows as rollouts are admitted; a time measured at 16
-    sequences says little about 3 otherwise."""
+    sequences says little about 3 otherwise. A size measured fewer than OWN_AFTER times is read off the
+    line too (its points in it, weighted by their count): one slow step at a size the tail of a
+    generation passes through (a host hiccup: 0.3 s for a 0.07 s step, bench/RESULTS.md) must not
+    set that size's estimate, and with it the plan, alone."""
 
     BATCH_PRIOR = 4.0
+    OWN_AFTER = 3  # measurements at a batch size before its own estimate stands alone (else: the line, it included)
 
     def __init__(self, make):
         self.make = make
@@ -125,7 +129,7 @@ class _BatchTimes:
         self.counts[batch] += 1
 
     def value(self, batch: int) -> float | None:
-        if batch in self.by_batch:
+        if batch in self.by_batch and (self.counts[batch] >= self.OWN_AFTER or len(self.by_batch) == 1):
             return self.by_batch[batch].value
         if not self.by_batch:
             return None
