@@ -684,22 +684,27 @@ def _fresh_chooser(k: int = 3):
     return Chooser(config, LiveEstimates(EstimatesConfig(k=k)), EngineMetrics(), backup=None), config
 
 
-@pytest.mark.parametrize("v,explored", [(None, True), (0.74, True), (0.69, False)])
-def test_chooser_measures_ar_then_sd_then_ssd_unless_corollary_9_caps_it_below_them(v, explored):
+@pytest.mark.parametrize("v,explored,shape", [(None, True, "decode"), (0.74, True, "decode"), (0.69, False, "decode"),
+                                              (0.74, True, "verify"), (0.69, False, "verify")])
+def test_chooser_measures_ar_then_sd_then_ssd_unless_corollary_9_caps_it_below_them(v, explored, shape):
     """At a batch bucket not decided at, the chooser runs AR (one timed round), then SD, then SSD for
     decide_after timed rounds, then lets the rule decide; SSD is skipped when its cap, b * E(a, K) * v /
     t_verify(SD) with v = (AR step on every core) / (AR step on the target's own core), is at most the
     best measured plan's rate. Priors here: a = 0.6 (E = 2.176 at K = 3); AR 1 / 0.02 = 50 tok/s, SD
     2.176 / (0.025 + 0.01) = 62.2 tok/s; the cap at v = 1 is 2.176 / 0.025 = 87.0, so SSD is explored
-    for v > 62.2 / 87.0 = 0.714 (0.74) and not below (0.69)."""
+    for v > 62.2 / 87.0 = 0.714 (0.74) and not below (0.69). v from AR steps (decode / decode_narrow) or,
+    where timed, from the verify's own shape (SD's verify / a K+1-token forward on the target's core)."""
     from rollout_ssd.ssd.chooser import Plan
 
     chooser, config = _fresh_chooser()
     est = chooser.estimates
     assert chooser.choose(1) is Plan.AR  # nothing timed yet
     est.observe_time("decode", 0.02, 1)
-    if v is not None:
+    if v is not None and shape == "decode":
         est.observe_time("decode_narrow", 0.02 / v, 1)
+    if v is not None and shape == "verify":
+        est.observe_time("decode_narrow", 0.02, 1)  # AR steps alike: only the verify's shape says v
+        est.observe_time("verify_narrow", 0.025 / v, 1)
     assert chooser.choose(1) is Plan.SD
     est.observe_time("plain_verify", 0.025, 1)
     est.observe_time("plain_draft", 0.01, 1)

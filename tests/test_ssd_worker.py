@@ -278,9 +278,10 @@ def test_ssd_misses_beside_a_worker_are_drafted_by_the_sd_speculator_at_temperat
     m = engine.metrics()
     assert m["ssd/strategy_rounds"].keys() == {"ssd+neural"} and m["ssd/hits"] == 0
     assert seen and all(here > 0 and worker == 0 for here, worker in seen)
-    # each warm round's drafting here is a measurement of SD's own drafting ("plain_draft"), at its rows
-    plain_draft = engine.strategy.telemetry.estimates._times["plain_draft"]
-    assert sum(plain_draft.counts.values()) == len(seen)
+    # with no cache ever built, every SSD round is of the catch-up kind, which times nothing (telemetry):
+    # neither SD's drafting here ("plain_draft") nor the verify
+    est = engine.strategy.telemetry.estimates
+    assert sum(est._times["plain_draft"].counts.values()) == 0 and sum(est._times["verify"].counts.values()) == 0
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert [r.logprobs for r in got] == [r.logprobs for r in want]
     engine.close()

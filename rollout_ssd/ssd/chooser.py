@@ -216,7 +216,8 @@ class Chooser:
         Corollary 9's cap, here in tokens per second. A round of SSD costs at least one SSD verify, and
         emits at most a full K-token draft chain's tokens E(a, K) per sequence (every verdict a hit, the
         cache build hidden, no transfer); beside a worker on a CPU its verify runs on fewer cores, at
-        least SD's verify / v, v = (AR step on every core) / (AR step on the target's own core). So SSD
+        least SD's verify / v, v = (SD's verify, on every core) / (a forward of the verify's shape on the
+        target's own core, timed in an AR round; else the same ratio of AR steps). So SSD
         <= b * E(a, K) * v / t_verify(SD), which is SD's rate times v * (1 + T_SD) * E(a, K) / E_SD
         (docs/THEORY.md, Corollary 9 on different hardware). Empty until AR or SD was timed here."""
         measured = [c for c in self._measured_others(bucket, scores) if c in scores]
@@ -224,10 +225,11 @@ class Chooser:
         if not ssd or not any(all(self.estimates.measured(n, bucket) for n in MEASURED_BY[c]) for c in measured):
             return set()
         est, b = self.estimates, inputs.batch_size
-        v = 1.0
-        if est.measured("decode_narrow", bucket) and est.measured("decode", bucket):
+        v, verify = 1.0, inputs.plain_verify_seconds if est.measured("plain_verify", bucket) else inputs.decode_seconds
+        if est.measured("verify_narrow", bucket) and est.measured("plain_verify", bucket):
+            v = min(1.0, verify / est.seconds("verify_narrow", b))  # the verify's own shape on one core
+        elif est.measured("decode_narrow", bucket) and est.measured("decode", bucket):
             v = min(1.0, est.seconds("decode", b) / est.seconds("decode_narrow", b))
-        verify = inputs.plain_verify_seconds if est.measured("plain_verify", bucket) else inputs.decode_seconds
         cap = b * expected_tokens_per_round(est.accept_rate("draft"), inputs.k) * v / verify
         best = max(scores[c] for c in measured)
         return set(ssd) if cap <= best else set()
@@ -302,7 +304,8 @@ class Chooser:
         cannot set the first decision); with it deciding, AR's own rounds measured the step first
         (`_explore`). Then FIRST_CALIBRATION_GAP rounds later, then every CALIBRATE_EVERY (AR rounds are
         measured as they run); never in a round of first rounds (`cold`, one-off costs). In an AR round
-        (`plan`) only the step on the target's own core is timed, once per batch bucket beside a worker.
+        (`plan`) only a forward of the verify's shape (K+1 tokens per sequence) on the target's own core is
+        timed ("verify_narrow", once per batch bucket beside a worker: `_excluded`'s v).
         The round calls it between the draft side's answer and the chains it is sent: the draft side is idle then, as it is while
         AR runs, so the step is not slowed by a cache build competing for memory bandwidth. With `cores`
         (a worker process holds a core of its own) the step is timed as AR rounds run, on every core, and,
@@ -312,11 +315,11 @@ class Chooser:
         if cold:
             return 0.0
         bucket = batch_bucket(len(running))
-        if plan is Plan.AR:  # the round is AR's step on every core; beside a worker, one on its own core too
-            if cores is None or self.estimates.measured("decode_narrow", bucket):
+        if plan is Plan.AR:  # the round is AR's step on every core; beside a worker, a verify's shape on its own
+            if cores is None or self.estimates.measured("verify_narrow", bucket):
                 return 0.0
             cores.narrow()
-            seconds = self._time_step(runner, running, "decode_narrow")
+            seconds = self._time_step(runner, running, "verify_narrow", tokens=self.config.k + 1)
             cores.widen()
             return seconds
         # with the rule deciding, AR's rounds measured it first (`_explore`): later calibrations only
@@ -338,10 +341,13 @@ class Chooser:
         self._calibrations, self._rounds_since_calibration = self._calibrations + 1, 0
         return seconds
 
-    def _time_step(self, runner: ModelRunner, running: list[Sequence], name: str) -> float:
-        """One AR decode forward of the batch, timed as `name` (device time on a GPU), then undone."""
+    def _time_step(self, runner: ModelRunner, running: list[Sequence], name: str, tokens: int = 1) -> float:
+        """One forward of `tokens` tokens per sequence (1: an AR decode step; K+1: a verify's shape, every
+        row's logits), timed as `name` (device time on a GPU), then undone."""
+        # within each sequence's room in the cache, as its verify's chain would be (ssd/round.chain_lengths)
+        rows = [[s.last_token] * max(1, min(tokens, runner.max_len - (s.num_tokens - 1))) for s in running]
         timer = DeviceTimer(runner.device).start()
-        runner.extend([s.slot for s in running], [[s.last_token] for s in running], last_only=True)
+        runner.extend([s.slot for s in running], rows, last_only=tokens == 1)
         seconds = timer.stop()
         self.estimates.observe_time(name, seconds, len(running))
         for seq in running:

@@ -172,8 +172,10 @@ class LiveEstimates:
     PLAIN = {"plain_verify": "verify", "plain_draft": "drafting"}
     # "drafting": the draft side's own time drafting K tokens on demand (without the target's wait for
     # a cache build to finish, nor the transfer): what SD's drafting costs where it runs in process
-    UNPRIORED = (*PLAIN, "decode_narrow", "drafting")
-    MEDIANS = ("decode", "decode_narrow")
+    # "verify_narrow": a forward of K+1 tokens per sequence on the target's own core (the SSD verify's
+    # shape beside the worker, timed before any SSD round: ssd/chooser.py's cap on SSD)
+    UNPRIORED = (*PLAIN, "decode_narrow", "drafting", "verify_narrow")
+    MEDIANS = ("decode", "decode_narrow", "verify_narrow")
 
     def __init__(self, config: EstimatesConfig):
         self.config = config
