@@ -649,7 +649,7 @@ def _decided_chooser(inputs):
     config = SSDConfig(k=inputs.k, worker=False, strategy_rule=True)
     chooser = Chooser(config, LiveEstimates(EstimatesConfig(k=inputs.k)), EngineMetrics(), backup=None)
     for batch in (1, 2, 4, 8, 16):  # every plan timed at every bucket used: nothing left to explore
-        for name in ("decode", "plain_verify", "plain_draft") + ("verify",) * config.decide_after:
+        for name in ("decode",) + ("plain_verify", "plain_draft", "verify") * config.decide_after:
             chooser.estimates.observe_time(name, 0.01, batch)
     chooser.estimates.inputs = lambda batch: dataclasses.replace(inputs, batch_size=batch)
     for _ in range(config.decide_after):
@@ -687,8 +687,8 @@ def _fresh_chooser(k: int = 3):
 @pytest.mark.parametrize("v,explored,shape", [(None, True, "decode"), (0.74, True, "decode"), (0.69, False, "decode"),
                                               (0.74, True, "verify"), (0.69, False, "verify")])
 def test_chooser_measures_ar_then_sd_then_ssd_unless_corollary_9_caps_it_below_them(v, explored, shape):
-    """At a batch bucket not decided at, the chooser runs AR (one timed round), then SD, then SSD for
-    decide_after timed rounds, then lets the rule decide; SSD is skipped when its cap, b * E(a, K) * v /
+    """At a batch bucket not decided at, the chooser runs AR (one timed round), then SD and SSD for
+    decide_after timed rounds each, then lets the rule decide; SSD is skipped when its cap, b * E(a, K) * v /
     t_verify(SD) with v = (AR step on every core) / (AR step on the target's own core), is at most the
     best measured plan's rate. Priors here: a = 0.6 (E = 2.176 at K = 3); AR 1 / 0.02 = 50 tok/s, SD
     2.176 / (0.025 + 0.01) = 62.2 tok/s; the cap at v = 1 is 2.176 / 0.025 = 87.0, so SSD is explored
@@ -705,9 +705,10 @@ def test_chooser_measures_ar_then_sd_then_ssd_unless_corollary_9_caps_it_below_t
     if v is not None and shape == "verify":
         est.observe_time("decode_narrow", 0.02, 1)  # AR steps alike: only the verify's shape says v
         est.observe_time("verify_narrow", 0.025 / v, 1)
-    assert chooser.choose(1) is Plan.SD
-    est.observe_time("plain_verify", 0.025, 1)
-    est.observe_time("plain_draft", 0.01, 1)
+    for _ in range(config.decide_after):  # SD for decide_after timed rounds (it stays within decide_margin)
+        assert chooser.choose(1) is Plan.SD
+        est.observe_time("plain_verify", 0.025, 1)
+        est.observe_time("plain_draft", 0.01, 1)
     plans = []
     for _ in range(config.decide_after + 1):
         plans.append(chooser.choose(1))
@@ -725,12 +726,13 @@ def test_chooser_measures_ar_then_sd_then_ssd_unless_corollary_9_caps_it_below_t
 
 def test_chooser_tries_a_plan_whose_rounds_time_nothing_once_more_then_moves_on():
     """A round of first rounds times nothing: a plan is run at most one round more than the timed rounds
-    it needs (AR and SD: 1, SSD: decide_after), then the next plan is explored."""
+    it needs (AR: 1, SD and SSD: decide_after), then the next plan is explored."""
     from rollout_ssd.ssd.chooser import Plan
 
     chooser, config = _fresh_chooser()
-    plans = [chooser.choose(1) for _ in range(2 + 2 + config.decide_after + 1)]
-    assert plans == [Plan.AR] * 2 + [Plan.SD] * 2 + [Plan.SSD_DRAFT] * (config.decide_after + 1)
+    n = config.decide_after + 1
+    plans = [chooser.choose(1) for _ in range(2 + 2 * n)]
+    assert plans == [Plan.AR] * 2 + [Plan.SD] * n + [Plan.SSD_DRAFT] * n
 
 
 def test_budget_capped_until_the_rule_has_chosen_at_a_batch_size():

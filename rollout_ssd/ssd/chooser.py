@@ -46,6 +46,7 @@ EXPLORE_ORDER = ("ar", "sd", "suffix", "ssd+neural", "ssd+suffix", "ssd+random")
 # the times that say a plan was measured (not scored from priors, or derived from other plans' times)
 MEASURED_BY = {"ssd+neural": ("verify",), "ssd+suffix": ("verify",), "ssd+random": ("verify",),
                "sd": ("plain_verify", "plain_draft"), "suffix": ("plain_verify",), "ar": ("decode",)}
+VERIFY_SHAPE_MAX_ROWS = 64  # beyond: the one-core step is an AR step (a verify's shape there costs a verify or more)
 FIRST_CALIBRATION_GAP = 16  # rounds after the warm-up calibrations (each costs one AR step of the batch)
 
 
@@ -183,9 +184,10 @@ class Chooser:
     def _explore(self, bucket: int, inputs: Optional[StrategyInputs]) -> Optional[Plan]:
         """The next plan to measure at a bucket the rule has not decided at, or None when each was
         measured (or ruled out): AR first (the cheapest round; it also times one step on the target's own
-        core beside a worker: `calibrate`), then plain speculation, then SSD for decide_after timed rounds,
-        unless Corollary 9's cap (`_excluded`) says it cannot beat what was measured, or its first timed
-        rounds score decide_margin below the best other. Each round of it emits tokens; a round of first
+        core beside a worker: `calibrate`), then plain speculation, then SSD, each for decide_after timed
+        rounds (one round's timing is noisy), SSD not at all where Corollary 9's cap (`_excluded`) says it
+        cannot beat what was measured; a plan whose first timed rounds score decide_margin below the best
+        other measured one (AR, plain speculation) is left there. Each round of it emits tokens; a round of first
         rounds times nothing, hence one try more than the timed rounds needed."""
         scores = rules.strategy_scores(inputs, self.rule.config.candidates) if inputs is not None else {}
         excluded = self._excluded(bucket, inputs, scores) if inputs is not None else set()
@@ -193,14 +195,14 @@ class Chooser:
             if label not in self.rule.config.candidates or label in excluded:
                 continue
             plan = Plan(label)
-            need = self.config.decide_after if plan.is_ssd else 1
+            need = 1 if plan is Plan.AR else self.config.decide_after
             have = min(self.estimates.times_measured(name, bucket) for name in MEASURED_BY[label])
             tries = self._tries.get((bucket, label), 0)
             if have >= need or tries > need:
                 continue
-            if plan.is_ssd and have and scores:
-                best = max(scores[c] for c in self._measured_others(bucket, scores))
-                if scores[label] < best * (1 - self.config.decide_margin):
+            others = [c for c in self._measured_others(bucket, scores) if c != label]
+            if plan is not Plan.AR and have and others:  # a clear loser after its first timed rounds
+                if scores[label] < max(scores[c] for c in others) * (1 - self.config.decide_margin):
                     continue
             self._tries[(bucket, label)] = tries + 1
             return plan
@@ -304,8 +306,9 @@ class Chooser:
         cannot set the first decision); with it deciding, AR's own rounds measured the step first
         (`_explore`). Then FIRST_CALIBRATION_GAP rounds later, then every CALIBRATE_EVERY (AR rounds are
         measured as they run); never in a round of first rounds (`cold`, one-off costs). In an AR round
-        (`plan`) only a forward of the verify's shape (K+1 tokens per sequence) on the target's own core is
-        timed ("verify_narrow", once per batch bucket beside a worker: `_excluded`'s v).
+        (`plan`) only a forward of the verify's shape (K+1 tokens per sequence; an AR step beyond
+        VERIFY_SHAPE_MAX_ROWS rows) on the target's own core is timed ("verify_narrow" / "decode_narrow",
+        once per batch bucket beside a worker: `_excluded`'s v).
         The round calls it between the draft side's answer and the chains it is sent: the draft side is idle then, as it is while
         AR runs, so the step is not slowed by a cache build competing for memory bandwidth. With `cores`
         (a worker process holds a core of its own) the step is timed as AR rounds run, on every core, and,
@@ -316,10 +319,12 @@ class Chooser:
             return 0.0
         bucket = batch_bucket(len(running))
         if plan is Plan.AR:  # the round is AR's step on every core; beside a worker, a verify's shape on its own
-            if cores is None or self.estimates.measured("verify_narrow", bucket):
+            rows = len(running) * (self.config.k + 1)
+            name = "verify_narrow" if rows <= VERIFY_SHAPE_MAX_ROWS else "decode_narrow"
+            if cores is None or self.estimates.measured(name, bucket):
                 return 0.0
             cores.narrow()
-            seconds = self._time_step(runner, running, "verify_narrow", tokens=self.config.k + 1)
+            seconds = self._time_step(runner, running, name, tokens=self.config.k + 1 if name == "verify_narrow" else 1)
             cores.widen()
             return seconds
         # with the rule deciding, AR's rounds measured it first (`_explore`): later calibrations only
