@@ -111,8 +111,8 @@ class _BatchTimes:
     batch shrinks at the end of a generation and grows as rollouts are admitted; a time measured at 16
     sequences says little about 3 otherwise. A size measured fewer than OWN_AFTER times is read off the
     line too (its points in it, weighted by their count): one slow step at a size the tail of a
-    generation passes through (a host hiccup: 0.3 s for a 0.07 s step, bench/RESULTS.md) must not
-    set that size's estimate, and with it the plan, alone."""
+    generation passes through (a host hiccup; bench/RESULTS.md, the seventh session's section) must
+    not set that size's estimate, and with it the plan, alone."""
 
     BATCH_PRIOR = 4.0
     OWN_AFTER = 3  # measurements at a batch size before its own estimate stands alone (else: the line, it included)
