@@ -271,8 +271,8 @@ class Chooser:
         """The best-scoring other plan never timed at this batch bucket, when it scores within
         UNMEASURED_WITHIN of the chosen one (UNMEASURED_TRIES rounds at most): a plan that has not run is
         scored from priors or from other plans' times (SD's verify from SSD's one-core verify beside a
-        cache build, scaled by AR's steps), which on a CPU were off by a fifth and more
-        (bench/RESULTS.md); one round of it measures it. None when every close plan is measured, and
+        cache build, scaled by AR's steps), which on a CPU led the rule astray (bench/RESULTS.md, the
+        seventh session's section); one round of it measures it. None when every close plan is measured, and
         before UNMEASURED_AFTER rounds were decided at the bucket."""
         if self._decided_rounds[bucket] < UNMEASURED_AFTER:
             return None
