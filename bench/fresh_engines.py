@@ -32,10 +32,11 @@ from rollout_ssd.models.cpu_backend import cpu_kind, describe_auto_dtype  # noqa
 WORKLOADS = ("demo", "batch1", "grpo")
 
 
-def workload(name: str, tokenizer):
-    """(list of prompt batches, one sample() call each; SamplingParams)."""
+def workload(name: str, tokenizer, new_tokens: int = 0):
+    """(list of prompt batches, one sample() call each; SamplingParams); `new_tokens` (demo only) other
+    than the workload's 96."""
     if name == "demo":
-        return [DEMO_PROMPTS], SamplingParams(temperature=0.0, max_new_tokens=96, seed=0, chat=True)
+        return [DEMO_PROMPTS], SamplingParams(temperature=0.0, max_new_tokens=new_tokens or 96, seed=0, chat=True)
     if name == "batch1":
         prompts = bench_prompts(tokenizer, "templates", 4)
         return [[p] for p in prompts], SamplingParams(temperature=0.0, max_new_tokens=96, seed=0)
@@ -45,11 +46,13 @@ def workload(name: str, tokenizer):
     raise ValueError(f"unknown workload {name!r}; known: {WORKLOADS}")
 
 
-def run(method: str, name: str) -> dict:
+def run(method: str, name: str, new_tokens: int = 0) -> dict:
+    """One fresh engine's first call of workload `name`: tokens, seconds, acceptance, prefill seconds,
+    rounds and seconds per plan, and (SSD) the rounds' trace (`SSDDecode.trace`)."""
     spec = SpecConfig(method=method, k=4)
     engine = RolloutEngine.from_pretrained(draft=None if method == "ar" else "default", spec=spec)
     with engine:
-        batches, params = workload(name, engine.target.tokenizer)
+        batches, params = workload(name, engine.target.tokenizer, new_tokens)
         trace = None
         if method == "ssd":
             engine.strategy.trace = trace = []
@@ -62,7 +65,8 @@ def run(method: str, name: str) -> dict:
         by_plan[r["strategy"]] = by_plan.get(r["strategy"], 0.0) + r["seconds"]
         by_plan["(calibration)"] = by_plan.get("(calibration)", 0.0) + r["calibration_seconds"]
     return {"tokens": tokens, "seconds": seconds, "accept": m.get(names.SPEC_ACCEPT_RATE),
-            "rounds": m.get(names.SSD_STRATEGY_ROUNDS), "plan_seconds": by_plan}
+            "prefill_seconds": m[names.ROLLOUT_PREFILL_SECONDS], "rounds": m.get(names.SSD_STRATEGY_ROUNDS),
+            "plan_seconds": by_plan, "trace": trace or []}
 
 
 def main(argv=None):

@@ -2,10 +2,10 @@
 
 An AR engine and then an SSD engine (engine defaults, dtype auto, the default draft, K = 4, the rule on)
 each made for one `sample` call of the demo's 4 chat prompts (greedy, 96 new tokens, EOS on), as
-`rollout-ssd demo` makes them. Printed: each engine's call and prefill seconds, then the SSD engine's
-rounds (`SSDDecode.trace`): batch size, plan, tokens, round / verify / wait / calibration seconds; then
-seconds per plan. The rounds show what the chooser's exploration costs at each batch size the call
-passes through as sequences end.
+`rollout-ssd demo` makes them (`fresh_engines.run`, its "demo" workload). Printed: each engine's call
+and prefill seconds, then the SSD engine's rounds (`SSDDecode.trace`): batch size, plan, tokens, round /
+verify / wait / calibration seconds; then seconds per plan. The rounds show what the chooser's
+exploration costs at each batch size the call passes through as sequences end.
 
     .venv/bin/python bench/trace_demo.py
 """
@@ -13,41 +13,22 @@ passes through as sequences end.
 from __future__ import annotations
 
 import argparse
-import time
 
-from common import add_repo_to_path, machine_note, print_json_line, print_table
-
-add_repo_to_path()
-
-from rollout_ssd import RolloutEngine, SamplingParams, SpecConfig  # noqa: E402
-from rollout_ssd.cli import DEMO_PROMPTS  # noqa: E402
-
-
-def call(method: str, params: SamplingParams) -> tuple[dict, list[dict]]:
-    engine = RolloutEngine.from_pretrained(draft=None if method == "ar" else "default", spec=SpecConfig(method=method, k=4))
-    with engine:
-        trace: list[dict] = []
-        if method == "ssd":
-            engine.strategy.trace = trace
-        t0 = time.perf_counter()
-        out = engine.sample(DEMO_PROMPTS, params)
-        seconds = time.perf_counter() - t0
-        m = engine.metrics()
-    tokens = sum(len(r.token_ids) for r in out)
-    return {"engine": method, "call s": seconds, "prefill s": m["rollout/prefill_seconds"], "tokens": tokens,
-            "tok/s": tokens / seconds}, trace
+from common import machine_note, print_json_line, print_table
+from fresh_engines import run
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--new-tokens", type=int, default=96)
-    p.add_argument("--quick", action="store_true", help="16 tokens")
+    p.add_argument("--quick", action="store_true", help="16 new tokens")
     args = p.parse_args(argv)
-    if args.quick:
-        args.new_tokens = 16
-    params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, seed=0, chat=True)
-    ar, _ = call("ar", params)
-    ssd, trace = call("ssd", params)
+    new_tokens = 16 if args.quick else 0  # 0: the workload's 96
+    engines, trace = [], []
+    for method in ("ar", "ssd"):
+        out = run(method, "demo", new_tokens)
+        engines.append({"engine": method, "call s": out["seconds"], "prefill s": out["prefill_seconds"],
+                        "tokens": out["tokens"], "tok/s": out["tokens"] / out["seconds"]})
+        trace = out["trace"] or trace
     rounds = [{"round": i, "b": r["batch"], "plan": r["strategy"], "tokens": r["emitted"], "s": r["seconds"],
                "verify s": r["verify_seconds"], "wait s": r["wait_seconds"], "calib s": r["calibration_seconds"]}
               for i, r in enumerate(trace)]
@@ -59,12 +40,12 @@ def main(argv=None):
         agg["s"] += r["s"]
         agg["calib s"] += r["calib s"]
     print(machine_note())
-    print_table([ar, ssd], floatfmt=".3f")
+    print_table(engines, floatfmt=".3f")
     print()
     print_table(rounds, floatfmt=".4f")
     print()
     print_table(list(per_plan.values()), floatfmt=".3f")
-    print_json_line({"bench": "trace_demo", "machine": machine_note(), "engines": [ar, ssd], "rounds": rounds,
+    print_json_line({"bench": "trace_demo", "machine": machine_note(), "engines": engines, "rounds": rounds,
                      "per_plan": list(per_plan.values())})
 
 

@@ -724,6 +724,44 @@ def test_chooser_measures_ar_then_sd_then_ssd_unless_corollary_9_caps_it_below_t
     assert chooser.budget_cap(1) is None  # decided at bucket 1
 
 
+def test_an_ar_round_beside_a_worker_times_one_verify_shaped_step_on_the_targets_core_per_bucket():
+    """In an AR round beside a worker, `calibrate` times one forward of K+1 tokens per sequence (within
+    each sequence's room in the cache; every row's logits) on the target's own core as "verify_narrow",
+    or, past VERIFY_SHAPE_MAX_ROWS rows, one AR step as "decode_narrow"; then undoes it, widens again,
+    and times nothing more at that bucket; a round of first rounds, or no worker, times nothing."""
+    from types import SimpleNamespace
+
+    from rollout_ssd.ssd.chooser import VERIFY_SHAPE_MAX_ROWS, Plan, batch_bucket
+
+    chooser, _ = _fresh_chooser(k=3)
+    calls, shares = [], []
+
+    class Runner:
+        device, max_len = "cpu", 50
+
+        def extend(self, slots, rows, last_only):
+            calls.append((list(slots), [len(r) for r in rows], last_only))
+
+        def rollback(self, slot, n):
+            calls.append(("rollback", slot, n))
+
+    cores = SimpleNamespace(narrow=lambda: shares.append("narrow"), widen=lambda: shares.append("widen"))
+    running = [SimpleNamespace(slot=i, last_token=7, num_tokens=n) for i, n in enumerate((10, 48, 20))]
+    assert chooser.calibrate(Runner(), running, cold=True, cores=cores, plan=Plan.AR) == 0.0 and not calls
+    assert chooser.calibrate(Runner(), running, cold=False, cores=None, plan=Plan.AR) == 0.0 and not calls
+    chooser.calibrate(Runner(), running, cold=False, cores=cores, plan=Plan.AR)
+    # room in the cache: 50 - (num_tokens - 1) -> 4 (K+1), 3, 4 tokens
+    assert calls == [([0, 1, 2], [4, 3, 4], False), ("rollback", 0, 9), ("rollback", 1, 47), ("rollback", 2, 19)]
+    assert shares == ["narrow", "widen"] and chooser.estimates.times_measured("verify_narrow", 2) == 1
+    calls.clear()
+    chooser.calibrate(Runner(), running[:2], cold=False, cores=cores, plan=Plan.AR)  # bucket 2 again
+    assert not calls
+    wide = [SimpleNamespace(slot=i, last_token=7, num_tokens=10) for i in range(VERIFY_SHAPE_MAX_ROWS // 4 + 1)]
+    chooser.calibrate(Runner(), wide, cold=False, cores=cores, plan=Plan.AR)
+    assert calls[0] == (list(range(len(wide))), [1] * len(wide), True)
+    assert chooser.estimates.times_measured("decode_narrow", batch_bucket(len(wide))) == 1
+
+
 def test_chooser_tries_a_plan_whose_rounds_time_nothing_once_more_then_moves_on():
     """A round of first rounds times nothing: a plan is run at most one round more than the timed rounds
     it needs (AR: 1, SD and SSD: decide_after), then the next plan is explored."""

@@ -136,9 +136,10 @@ class Chooser:
         except ValueError:  # nothing timed yet (a round of first rounds times nothing)
             inputs = None
         if bucket not in self._choices:
-            plan = self._explore(bucket, inputs)
+            scores = rules.strategy_scores(inputs, self.rule.config.candidates) if inputs is not None else {}
+            plan = self._explore(bucket, inputs, scores)
             if plan is not None and inputs is not None:  # what the rule would say of the plan measured
-                self._publish(plan, inputs, rules.strategy_scores(inputs, self.rule.config.candidates), math.nan)
+                self._publish(plan, inputs, scores, math.nan)
             if plan is not None or inputs is None:
                 self.current = plan or self.current
                 return self.current
@@ -181,26 +182,26 @@ class Chooser:
         self.stats.set_ssd_state(strategy=ran.label, b_star=b_star, predicted_speedup=scores[ran.label] / ar,
                                  scores=dict(scores), p_hit_estimate=inputs.p_hit, **timing)
 
-    def _explore(self, bucket: int, inputs: Optional[StrategyInputs]) -> Optional[Plan]:
+    def _explore(self, bucket: int, inputs: Optional[StrategyInputs], scores: dict[str, float]) -> Optional[Plan]:
         """The next plan to measure at a bucket the rule has not decided at, or None when each was
         measured (or ruled out): AR first (the cheapest round; it also times one step on the target's own
         core beside a worker: `calibrate`), then plain speculation, then SSD, each for decide_after timed
         rounds (one round's timing is noisy), SSD not at all where Corollary 9's cap (`_excluded`) says it
         cannot beat what was measured; a plan whose first timed rounds score decide_margin below the best
-        other measured one (AR, plain speculation) is left there. Each round of it emits tokens; a round of first
-        rounds times nothing, hence one try more than the timed rounds needed."""
-        scores = rules.strategy_scores(inputs, self.rule.config.candidates) if inputs is not None else {}
+        other measured one (AR, plain speculation) is left there. Each round of it emits tokens; a round of
+        first rounds times nothing, hence one try more than the timed rounds needed. `scores`: the rule's
+        for `inputs` (empty while nothing was timed)."""
         excluded = self._excluded(bucket, inputs, scores) if inputs is not None else set()
         for label in EXPLORE_ORDER:
             if label not in self.rule.config.candidates or label in excluded:
                 continue
             plan = Plan(label)
             need = 1 if plan is Plan.AR else self.config.decide_after
-            have = min(self.estimates.times_measured(name, bucket) for name in MEASURED_BY[label])
+            have = self._times_timed(label, bucket)
             tries = self._tries.get((bucket, label), 0)
             if have >= need or tries > need:
                 continue
-            others = [c for c in self._measured_others(bucket, scores) if c != label]
+            others = [c for c in (self._measured_others(bucket, scores) or ["ar"]) if c != label]
             if plan is not Plan.AR and have and others:  # a clear loser after its first timed rounds
                 if scores[label] < max(scores[c] for c in others) * (1 - self.config.decide_margin):
                     continue
@@ -208,10 +209,14 @@ class Chooser:
             return plan
         return None
 
+    def _times_timed(self, label: str, bucket: int) -> int:
+        """Rounds of plan `label` timed at this bucket: the fewest measurements of the times it needs."""
+        return min(self.estimates.times_measured(name, bucket) for name in MEASURED_BY[label])
+
     def _measured_others(self, bucket: int, scores: dict[str, float]) -> list[str]:
         """The non-SSD plans timed at this bucket (AR, plain speculation): what an SSD plan must beat."""
         return [c for c in scores if not Plan(c).is_ssd and c in self.rule.config.candidates
-                and all(self.estimates.measured(name, bucket) for name in MEASURED_BY[c])] or ["ar"]
+                and self._times_timed(c, bucket)]
 
     def _excluded(self, bucket: int, inputs: StrategyInputs, scores: dict[str, float]) -> set[str]:
         """SSD plans not yet timed at this bucket that cannot beat the best timed AR / plain plan:
@@ -222,9 +227,9 @@ class Chooser:
         target's own core, timed in an AR round; else the same ratio of AR steps). So SSD
         <= b * E(a, K) * v / t_verify(SD), which is SD's rate times v * (1 + T_SD) * E(a, K) / E_SD
         (docs/THEORY.md, Corollary 9 on different hardware). Empty until AR or SD was timed here."""
-        measured = [c for c in self._measured_others(bucket, scores) if c in scores]
-        ssd = [c for c in self.rule.config.candidates if Plan(c).is_ssd and not self.estimates.measured("verify", bucket)]
-        if not ssd or not any(all(self.estimates.measured(n, bucket) for n in MEASURED_BY[c]) for c in measured):
+        measured = self._measured_others(bucket, scores)
+        ssd = [c for c in self.rule.config.candidates if Plan(c).is_ssd and not self._times_timed(c, bucket)]
+        if not ssd or not measured:
             return set()
         est, b = self.estimates, inputs.batch_size
         v, verify = 1.0, inputs.plain_verify_seconds if est.measured("plain_verify", bucket) else inputs.decode_seconds
@@ -282,8 +287,7 @@ class Chooser:
             if scores[label] < scores[chosen.label] * (1 - UNMEASURED_WITHIN):
                 return None
             tries = self._tries.get((bucket, label), 0)
-            if tries < UNMEASURED_TRIES and not all(self.estimates.measured(name, bucket)
-                                                    for name in MEASURED_BY[label]):
+            if tries < UNMEASURED_TRIES and not self._times_timed(label, bucket):
                 self._tries[(bucket, label)] = tries + 1
                 return Plan(label)
         return None
@@ -308,9 +312,9 @@ class Chooser:
         measured as they run); never in a round of first rounds (`cold`, one-off costs). In an AR round
         (`plan`) only a forward of the verify's shape (K+1 tokens per sequence; an AR step beyond
         VERIFY_SHAPE_MAX_ROWS rows) on the target's own core is timed ("verify_narrow" / "decode_narrow",
-        once per batch bucket beside a worker: `_excluded`'s v).
-        The round calls it between the draft side's answer and the chains it is sent: the draft side is idle then, as it is while
-        AR runs, so the step is not slowed by a cache build competing for memory bandwidth. With `cores`
+        once per batch bucket beside a worker: `_excluded`'s v). The round calls it between the draft
+        side's answer and the chains it is sent: the draft side is idle then, as it is while AR runs, so
+        the step is not slowed by a cache build competing for memory bandwidth. With `cores`
         (a worker process holds a core of its own) the step is timed as AR rounds run, on every core, and,
         while SD's rounds are not yet timed at this batch bucket, once more on the target's own core
         ("decode_narrow": their ratio scales plain speculation's verify and drafting until they are
@@ -335,8 +339,7 @@ class Chooser:
             self._rounds_since_calibration += 1
             return 0.0
         seconds, was_wide = 0.0, cores is None or cores.is_wide
-        plain_timed = all(self.estimates.measured(name, bucket) for name in MEASURED_BY["sd"])
-        if cores is not None and not plain_timed:
+        if cores is not None and not self._times_timed("sd", bucket):
             cores.narrow()
             seconds += self._time_step(runner, running, "decode_narrow")
             cores.widen()
