@@ -13,11 +13,13 @@ last line.
 
     .venv/bin/python bench/fresh_engines.py
     .venv/bin/python bench/fresh_engines.py --workloads demo --repeats 1
+    .venv/bin/python bench/fresh_engines.py --rule-cache warm   # SSD engines start from the rule's cache
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 
 from common import add_repo_to_path, bench_prompts, machine_note, print_json_line, print_table
@@ -46,10 +48,11 @@ def workload(name: str, tokenizer, new_tokens: int = 0):
     raise ValueError(f"unknown workload {name!r}; known: {WORKLOADS}")
 
 
-def run(method: str, name: str, new_tokens: int = 0) -> dict:
+def run(method: str, name: str, new_tokens: int = 0, rule_cache=False) -> dict:
     """One fresh engine's first call of workload `name`: tokens, seconds, acceptance, prefill seconds,
-    rounds and seconds per plan, and (SSD) the rounds' trace (`SSDDecode.trace`)."""
-    spec = SpecConfig(method=method, k=4)
+    rounds and seconds per plan, and (SSD) the rounds' trace (`SSDDecode.trace`). `rule_cache`:
+    SpecConfig.rule_cache (False: the engine measures as on a machine it never ran on)."""
+    spec = SpecConfig(method=method, k=4, rule_cache=rule_cache)
     engine = RolloutEngine.from_pretrained(draft=None if method == "ar" else "default", spec=spec)
     with engine:
         batches, params = workload(name, engine.target.tokenizer, new_tokens)
@@ -73,14 +76,21 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--rule-cache", choices=("off", "warm"), default="off",
+                   help="off: no engine starts from the strategy rule's cache (a machine's first run); warm: "
+                        "each SSD engine starts from the cache its predecessors left (one untimed run per "
+                        "workload fills it first), as an RL actor restarted on the same machine does")
     args = p.parse_args(argv)
     names_ = [w for w in args.workloads.split(",") if w]
+    cache = False if args.rule_cache == "off" else tempfile.mkdtemp(prefix="fresh_engines_rule_")
+    for w in names_ if cache else ():
+        run("ssd", w, rule_cache=cache)
     totals = {(w, m): {"tokens": 0, "seconds": 0.0, "rounds": {}, "plan_seconds": {}}
               for w in names_ for m in ("ar", "sd", "ssd")}
     for _ in range(args.repeats):
         for w in names_:
             for method in ("ar", "sd", "ssd"):
-                out = run(method, w)
+                out = run(method, w, rule_cache=cache)
                 t = totals[(w, method)]
                 t["tokens"] += out["tokens"]
                 t["seconds"] += out["seconds"]
@@ -98,7 +108,8 @@ def main(argv=None):
                      "SSD seconds by strategy": ", ".join(f"{k} {v / args.repeats:.2f}"
                                                           for k, v in totals[(w, "ssd")]["plan_seconds"].items()),
                      "SSD call s": totals[(w, "ssd")]["seconds"] / args.repeats})
-    print(f"CPU {cpu_kind()}; dtype auto: {describe_auto_dtype()}; first call of a fresh engine, {args.repeats} runs each")
+    print(f"CPU {cpu_kind()}; dtype auto: {describe_auto_dtype()}; first call of a fresh engine, {args.repeats} runs "
+          f"each; strategy rule cache {args.rule_cache}")
     print_table(rows)
     print_json_line({"bench": "fresh_engines", "machine": machine_note(), "args": vars(args), "rows": rows})
 

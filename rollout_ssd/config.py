@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Optional, Union
 
@@ -45,7 +46,9 @@ class SpecConfig:
     own process on a CPU, its own thread and CUDA stream on a GPU), worker_timeout, startup_timeout,
     pin_cores, fallback ("sd" | "ar"), max_restarts, draft_device (where the draft side runs: None = the
     device of the draft model handed to the engine; `from_pretrained` picks the next GPU, or the target's
-    own GPU when there is one).
+    own GPU when there is one), rule_cache (SSD: where the strategy rule keeps what it measured on this
+    machine so that a new engine starts from it, `rollout_ssd.ssd.rule_cache`: True = $ROLLOUT_SSD_CACHE/rule,
+    a directory, or False = every engine measures anew).
     """
 
     method: str = "ar"
@@ -70,6 +73,7 @@ class SpecConfig:
     fallback: str = "sd"
     max_restarts: int = 1
     draft_device: Optional[str] = None
+    rule_cache: Union[bool, str, os.PathLike] = True
 
     def __post_init__(self):
         if self.method not in METHODS:

@@ -12,6 +12,9 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+# engines (and the servers and actors tests start) measure anew: one test's strategy-rule cache must
+# not steer another's plans (tests/test_rule_cache.py names a directory of its own)
+os.environ["ROLLOUT_SSD_RULE_CACHE"] = "0"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -164,7 +164,8 @@ def test_hysteresis_keeps_the_choice_made_at_each_batch_size(pair48, monkeypatch
     target, draft = pair48
     engine = ssd_engine(target, draft, 3, k=3, strategy_rule=True)
     ssd = engine.strategy
-    engine.sample(PROMPTS[:3], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
+    # more rounds than the exploration can take (AR 2, SD and SSD decide_after + 1 each), whatever it measures
+    engine.sample(PROMPTS[:3], SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True))
     assert ssd.chooser.decided
     monkeypatch.setattr(strategy_module, "strategy_scores", lambda inputs, names: {
         n: (2.0 if n == "ar" else 1.0) if inputs.batch_size >= 8 else (0.5 if n == "ar" else 1.0) for n in names})

@@ -322,3 +322,41 @@ def test_beside_a_worker_the_target_prefills_on_every_core_before_the_worker(pai
     assert events[:3] == [("prefill", *wide), ("sd prefill", *wide), ("admit",)]
     assert all(e[1:] == wide for e in events if e[0] != "admit")
     engine.close()
+
+
+def test_the_worker_is_told_of_sequences_at_their_first_round_that_asks_it(pair, ar_out):
+    """Beside a worker process, admission waits for the first round that asks the worker for chains:
+    while the rule runs AR its prefill would share the target's cores. Sequences that end within AR
+    rounds are never sent (nor released); the others are sent at the first SSD round with every
+    committed token, and greedy stays AR's."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPU cores")
+    from rollout_ssd.ssd.chooser import Plan
+    from rollout_ssd.ssd.messages import AdmitSequences, ReleaseSequences
+
+    engine = ssd_engine(*pair, batch=3, k=3, worker=True)
+    ssd, sent, rounds = engine.strategy, [], [0]
+    client = ssd.draft.client
+    send, request = client.send, client.request
+    client.send = lambda msg: (sent.append((rounds[0], msg)), send(msg))[1]
+    client.request = lambda msg: (sent.append((rounds[0], msg)), request(msg))[1]
+
+    def choose(batch, fallback=None):
+        rounds[0] += 1
+        return Plan.AR if rounds[0] <= 6 else Plan.SSD_DRAFT
+
+    ssd.chooser.choose = choose
+    # first call: 6 tokens each (the prefill samples the first), all in AR rounds
+    assert [r.token_ids for r in engine.sample(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=6,
+                                                                           n=2, ignore_eos=True))] \
+        == [t[:6] for t in ar_out[:2]]
+    assert sent == [] and ssd.draft.unsent == {} and ssd.draft.live == {}
+    rounds[0] = 0
+    assert [r.token_ids for r in engine.sample(PROMPTS, GREEDY)] == ar_out
+    admits = [(r, m) for r, m in sent if isinstance(m, AdmitSequences)]
+    assert admits and admits[0][0] == 7  # sent in the first SSD round, not at admission
+    first = admits[0][1].rows
+    assert len(first) == 3 and all(len(row.tokens) > len(p) for row, p in zip(first, [PROMPTS[0]] * 2 + [PROMPTS[1]]))
+    released = {row for _, m in sent if isinstance(m, ReleaseSequences) for row in m.seq_ids}
+    assert released <= {row.seq_id for _, m in admits for row in m.rows}
+    engine.close()

@@ -39,17 +39,25 @@ log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------ the CPU found
-@functools.cache
-def cpu_flags() -> frozenset:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none: not Linux)."""
+def _cpuinfo(field: str) -> str:
+    """The first /proc/cpuinfo line's value for `field` ("" where there is none: not Linux)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(field)), "")
     except OSError:
-        pass
-    return frozenset()
+        return ""
+
+
+@functools.cache
+def cpu_flags() -> frozenset:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    return frozenset(_cpuinfo("flags").split())
+
+
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ("" where there is none)."""
+    return _cpuinfo("model name")
 
 
 @functools.cache

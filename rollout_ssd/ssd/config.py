@@ -7,6 +7,7 @@ the same name, and its default is read from there, so the two cannot drift.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, fields
 from typing import Optional, Union
 
@@ -46,6 +47,7 @@ class SSDConfig:
     draft_device: where the draft side runs (None: where the draft model is). On a CPU the concurrent
     draft side is the worker process; on any other device it is a thread with its own stream
     (ssd/thread_client.py), since the process's shared-memory path is host memory only.
+    rule_cache: where the rule's measurements are kept per machine for the next engine (ssd/rule_cache.py).
     """
 
     k: int = _DEFAULTS["k"]
@@ -68,6 +70,7 @@ class SSDConfig:
     max_restarts: int = _DEFAULTS["max_restarts"]
     draft_device: Optional[str] = _DEFAULTS["draft_device"]
     stop_prob: float = _DEFAULTS["stop_prob"]  # SD rounds' early stop (the SD engine's; SpecConfig)
+    rule_cache: Union[bool, str, os.PathLike] = _DEFAULTS["rule_cache"]
 
     def __post_init__(self):
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
@@ -111,6 +114,8 @@ class SSDConfig:
             raise ValueError(f"SSDConfig.fallback must be one of {FALLBACKS}, got {self.fallback!r}")
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"SSDConfig.max_restarts must be an integer >= 0, got {self.max_restarts!r}")
+        if not isinstance(self.rule_cache, (bool, str, os.PathLike)) or self.rule_cache == "":
+            raise ValueError(f"SSDConfig.rule_cache must be True, False or a directory, got {self.rule_cache!r}")
         if self.draft_device is not None:
             try:
                 torch.device(self.draft_device)

@@ -120,6 +120,7 @@ class DraftSide:
         self.max_model_len = max_model_len
         self.tracks: dict[int, _Track] = {}  # id(seq) -> track
         self.live: dict[int, Sequence] = {}
+        self.unsent: dict[int, Sequence] = {}  # admitted, not yet sent to a worker process (`admit`)
         self._next_id = 0
         self.failed = False
         self._warned = False
@@ -207,6 +208,7 @@ class DraftSide:
             self.client.close()
         self.client = None
         self.failed = True
+        self.unsent = {}  # every live sequence is admitted anew, wherever the rounds go next
         if self.config.fallback == "sd":
             self.client = LocalDraftClient(self._local_server())
             if self.live:
@@ -217,6 +219,7 @@ class DraftSide:
         if self.client is not None:
             self.client.close()
             self.client = None
+        self.unsent = {}
         try:
             self.client = self._start_client(worker=self.config.worker)
             if self.live:
@@ -241,7 +244,10 @@ class DraftSide:
 
     def admit(self, seqs: list[Sequence]) -> list[Sequence]:
         """Admit the sequences not yet admitted (restarting a failed worker first, while restarts are
-        left); returns them."""
+        left); returns them. Beside a worker process on a CPU they are sent to it only when a round first
+        asks it for chains (`flush`): its prefill would otherwise run on its core while the target's AR or
+        SD rounds run on every core, the two slowing each other, and a batch the rule runs AR or SD on
+        throughout never needs it. Sent then, they carry every committed token, as a SYNC would."""
         seqs = [s for s in seqs if id(s) not in self.tracks]  # already admitted by before_prefill
         if not seqs:
             return seqs
@@ -253,14 +259,22 @@ class DraftSide:
             self.tracks[id(seq)] = _Track(self._next_id, 0)
             self.live[id(seq)] = seq
             self._next_id += 1
-        if self.client is not None:
+        if self.cores is not None:
+            self.unsent.update((id(s), s) for s in seqs)
+        elif self.client is not None:
             self._send(self._admit_rows(seqs))
         return seqs
+
+    def flush(self) -> None:
+        """Send the admissions `admit` held back (before anything else goes to the draft side)."""
+        if self.unsent:
+            seqs, self.unsent = list(self.unsent.values()), {}
+            self._send(self._admit_rows(seqs))
 
     def release(self, seq: Sequence) -> None:
         tr = self.tracks.pop(id(seq), None)
         self.live.pop(id(seq), None)
-        if tr is not None:
+        if self.unsent.pop(id(seq), None) is None and tr is not None:  # one never sent is not released
             self._send(ReleaseSequences((tr.seq_id,)))
 
     def close(self) -> None:
@@ -278,6 +292,7 @@ class DraftSide:
         `out`; False when the draft side failed (then `out` is left empty)."""
         if self.client is None:
             return False
+        self.flush()
         rows = []
         for seq, k in zip(running, ks):
             tr = self.tracks[id(seq)]
@@ -374,6 +389,7 @@ class DraftSide:
     def _push(self, new: dict[str, torch.Tensor], old: dict[str, torch.Tensor]) -> None:
         if self.client is None:
             return
+        self.flush()  # in order: the worker refreshes what it built of admitted sequences
         try:
             self.client.update_weights(new, old, self.draft_version)
         except WorkerFailure as err:  # the fallback starts from the target side's (updated) copy

@@ -6,6 +6,7 @@ moves every step, and hit rate and acceptance drift with it); priors enter as ps
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -121,6 +122,12 @@ class _BatchTimes:
         self.make = make
         self.by_batch: dict[int, object] = {}
         self.counts: dict[int, int] = {}
+
+    def seed(self, batch: int, seconds: float, count: int) -> None:
+        """A measurement kept from an earlier engine (ssd/rule_cache.py): one value standing for
+        `count` (at most OWN_AFTER) measurements, which the next ones outweigh as they come."""
+        self.by_batch[batch], self.counts[batch] = self.make(), min(count, self.OWN_AFTER)
+        self.by_batch[batch].add(seconds)
 
     def add(self, batch: int, seconds: float) -> None:
         if batch not in self.by_batch:
@@ -258,6 +265,44 @@ class LiveEstimates:
 
     def measured(self, name: str, bucket: int) -> bool:
         return self.times_measured(name, bucket) > 0
+
+    def snapshot(self) -> dict:
+        """What was measured, as plain JSON data (ssd/rule_cache.py keeps it per machine): each time per
+        batch size with its count, and the hit rate, acceptance and tokens per round (the priors of the
+        next engine)."""
+        return {"times": {name: {str(b): [t.by_batch[b].value, t.counts[b]] for b in t.by_batch}
+                          for name, t in self._times.items() if t.by_batch},
+                "p_hit": self.p_hit, "accept": {s: self.accept_rate(s) for s in SPECULATORS},
+                "tokens": {path: self.tokens_per_round(path) for path in self.PATHS}}
+
+    def restore(self, state: Mapping) -> int:
+        """Start from an earlier engine's `snapshot` (same machine, models and settings: the caller's
+        key): its times as measurements (`_BatchTimes.seed`), its rates as the priors (prior_weight).
+        Returns the times restored. A ValueError (nothing changed) when `state` is not a snapshot."""
+        times = state.get("times")
+        seeds = []
+        if not isinstance(times, Mapping) or set(times) - set(self._times):
+            raise ValueError(f"not an estimates snapshot: times {times!r:.80}")
+        for name, by_batch in times.items():
+            for b, entry in dict(by_batch).items():
+                seconds, count = entry
+                if not (int(b) >= 1 and math.isfinite(seconds) and seconds >= 0 and int(count) >= 1):
+                    raise ValueError(f"not an estimates snapshot: {name} at {b}: {entry!r}")
+                seeds.append((name, int(b), float(seconds), int(count)))
+        rates = [(self._accept, state["accept"], SPECULATORS), (self._tokens, state["tokens"], self.PATHS)]
+        p_hit = float(state["p_hit"])
+        checked = [(k, float(v[k])) for _, v, keys in rates for k in keys]
+        accept_ok = all(0 <= float(state["accept"][s]) <= 1 for s in SPECULATORS)
+        if not 0 <= p_hit <= 1 or not accept_ok or not all(math.isfinite(v) and v >= 0 for _, v in checked):
+            raise ValueError("not an estimates snapshot: rates out of range")
+        d, w = 0.5 ** (1.0 / self.config.halflife_rounds), self.config.prior_weight
+        self._hit = _Ratio(p_hit, w, d)
+        for table, values, keys in rates:
+            for key in keys:
+                table[key] = _Ratio(float(values[key]), w, d)
+        for name, b, seconds, count in seeds:
+            self._times[name].seed(b, seconds, count)
+        return len(seeds)
 
     def _plain_seconds(self, name: str, batch: int) -> float:
         t = self._times[name].value(batch)

@@ -43,6 +43,7 @@ from rollout_ssd.ssd.cores import TargetCores
 from rollout_ssd.ssd.draft_side import Chains, DraftSide
 from rollout_ssd.ssd.estimates import EstimatesConfig, LiveEstimates
 from rollout_ssd.ssd.fanout import FanoutConfig, FanoutPlan, FanoutPlanner
+from rollout_ssd.ssd.rule_cache import RuleCache, cache_directory, engine_key
 from rollout_ssd.ssd.telemetry import RoundTelemetry, RoundTimes
 
 
@@ -65,6 +66,10 @@ class SSDDecode(DecodeStrategy):
         estimates = LiveEstimates(EstimatesConfig(k=config.k))
         fast = config.backup if backup is not None and config.backup in ("suffix", "random") else None
         self.chooser = Chooser(config, estimates, stats, backup=fast)
+        directory = cache_directory(config.rule_cache)  # what an earlier engine here measured (ssd/rule_cache.py)
+        self.rule_cache = None if directory is None else RuleCache(directory, engine_key(runner, draft_model, config))
+        if self.rule_cache is not None:
+            self.rule_cache.load(estimates)
         self.telemetry = RoundTelemetry(estimates, self.planner, stats, None if backup is None else backup.name)
         self.draft = DraftSide(draft_model, runner.model.hf_parameters(), config, stats,
                                runner.cache.num_slots, max_model_len or runner.max_len)
@@ -157,6 +162,8 @@ class SSDDecode(DecodeStrategy):
                  cores: Optional[TargetCores] = None) -> Chains:
         """Chains from the draft side where the plan asks it (its misses drafted here when
         `_drafts_misses_here`), then the fast backup where it gave none."""
+        if plan.asks_draft_side:
+            self.draft.flush()  # admissions held back (DraftSide.admit): each sequence's first round there
         first = [self.draft.is_first_round(s) for s in running]
         rnd = Chains.empty(first)
         need_backup = list(range(len(running))) if plan is Plan.SUFFIX else []
@@ -229,6 +236,7 @@ class SSDDecode(DecodeStrategy):
             self.backup.on_release(seq)
 
     def close(self) -> None:
+        self._keep_measurements()
         self.draft.close()
         if self.sd is not None:
             self.sd.close()
@@ -248,6 +256,11 @@ class SSDDecode(DecodeStrategy):
     def on_idle(self) -> None:
         if self.draft.cores is not None:  # rounds narrowed this thread beside the worker: wide between calls
             self.draft.cores.widen()
+        self._keep_measurements()
+
+    def _keep_measurements(self) -> None:
+        if self.rule_cache is not None:
+            self.rule_cache.save(self.chooser.estimates)
 
     def on_weights_changed(self) -> None:
         self.draft.on_weights_changed()

@@ -1,0 +1,142 @@
+"""The strategy rule's per-machine cache (ssd/rule_cache.py): the estimates' snapshot and restore, the
+file's key, bad or foreign files ignored, and a second engine that starts from the first one's
+measurements: it decides at once instead of exploring, and generates the same tokens."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import pytest
+
+from rollout_ssd import SamplingParams, SpecConfig
+from rollout_ssd.ssd.estimates import EstimatesConfig, LiveEstimates, _BatchTimes
+from rollout_ssd.ssd.rule_cache import RuleCache, cache_directory
+from tests.support.models import tiny_pair
+from tests.test_ssd_helpers import ssd_engine
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
+
+
+@pytest.fixture(scope="module")
+def pair48(tmp_path_factory):
+    return tiny_pair(tmp_path_factory.mktemp("rulecache"), vocab=48)
+
+
+def measured_estimates() -> LiveEstimates:
+    est = LiveEstimates(EstimatesConfig(k=3))
+    for _ in range(5):
+        est.observe_time("decode", 0.020, 4)
+        est.observe_time("plain_verify", 0.030, 4)
+    est.observe_time("verify", 0.050, 1)
+    est.observe_cache(hits=3, misses=1)
+    est.observe_round("hit", sequences=3, accepted=5, judged=9, emitted=8)
+    return est
+
+
+def test_snapshot_restores_times_as_measurements_and_rates_as_priors():
+    old = measured_estimates()
+    new = LiveEstimates(EstimatesConfig(k=3))
+    assert new.restore(json.loads(json.dumps(old.snapshot()))) == 3  # three (time, batch size) entries
+    for name, batch in (("decode", 4), ("plain_verify", 4), ("verify", 1)):
+        assert new.seconds(name, batch) == pytest.approx(old.seconds(name, batch), rel=1e-12)
+    # a count stands for at most OWN_AFTER measurements: five decode steps at 4 come back as 3
+    assert new.times_measured("decode", 3) == _BatchTimes.OWN_AFTER and new.times_measured("verify", 1) == 1
+    assert new.accept_rate("draft") == pytest.approx(old.accept_rate("draft"), rel=1e-12)
+    assert new.p_hit == pytest.approx(old.p_hit, rel=1e-12)
+    assert new.tokens_per_round("hit") == pytest.approx(old.tokens_per_round("hit"), rel=1e-12)
+    # the restored rate is a prior of prior_weight (4) judged tokens, decayed as every sum is: 4
+    # all-accepted tokens pull it about halfway to 1
+    a, d = new.accept_rate("draft"), 0.5 ** (1 / new.config.halflife_rounds)
+    new.observe_round("hit", sequences=1, accepted=4, judged=4, emitted=5)
+    assert new.accept_rate("draft") == pytest.approx((d * a * 4 + 4) / (d * 4 + 4), rel=1e-9)
+    # the decode estimate is a median: two new steps at 0.040 outvote the one restored value
+    new.observe_time("decode", 0.040, 4)
+    new.observe_time("decode", 0.040, 4)
+    assert new.seconds("decode", 4) == pytest.approx(0.040)
+
+
+@pytest.mark.parametrize("bad", [
+    {"times": {"nonsense": {"4": [0.1, 2]}}},
+    {"times": {"decode": {"4": [-0.1, 2]}}},
+    {"times": {"decode": {"4": [math.nan, 2]}}},
+    {"times": {"decode": {"0": [0.1, 2]}}},
+    {"times": {"decode": {"4": [0.1, 0]}}},
+    {"times": {"decode": {"4": [0.1, 2]}}, "p_hit": 1.5},
+    {"times": {"decode": {"4": [0.1, 2]}}, "accept": {"draft": 2.0, "suffix": 0.1, "random": 0.0}},
+    {"times": "decode"},
+])
+def test_restore_rejects_what_is_not_a_snapshot_and_changes_nothing(bad):
+    good = measured_estimates().snapshot()
+    est = LiveEstimates(EstimatesConfig(k=3))
+    with pytest.raises((ValueError, TypeError, KeyError)):
+        est.restore({**good, **bad})
+    assert est.snapshot()["times"] == {} and est.accept_rate("draft") == 0.6
+
+
+def test_cache_file_round_trip_key_and_bad_files(tmp_path, caplog):
+    key = {"format": 1, "device": "cpu: test", "ssd": {"k": 3}}
+    cache = RuleCache(tmp_path / "rule", key)
+    assert cache.load(LiveEstimates(EstimatesConfig(k=3))) == 0  # no file yet: silently nothing
+    assert not cache.save(LiveEstimates(EstimatesConfig(k=3)))  # nothing measured: nothing written
+    assert cache.save(measured_estimates()) and cache.path.is_file()
+    assert [p.name for p in cache.path.parent.iterdir()] == [cache.path.name]  # no temporary file left
+    assert cache.load(LiveEstimates(EstimatesConfig(k=3))) == 3
+    other = RuleCache(tmp_path / "rule", {**key, "ssd": {"k": 4}})
+    assert other.path != cache.path and other.load(LiveEstimates(EstimatesConfig(k=3))) == 0
+    with caplog.at_level(logging.WARNING, logger="rollout_ssd.ssd.rule_cache"):
+        other.path.write_text(cache.path.read_text())  # another key's contents under this key's name
+        assert other.load(LiveEstimates(EstimatesConfig(k=3))) == 0
+        cache.path.write_text("{not json")
+        assert cache.load(LiveEstimates(EstimatesConfig(k=3))) == 0
+        cache.path.write_text(json.dumps({"key": key, "estimates": {"times": {"decode": {"4": [-1, 1]}}}}))
+        assert cache.load(LiveEstimates(EstimatesConfig(k=3))) == 0
+    assert [r.message.split(" ")[4] for r in caplog.records] == ["is", "not", "has"]
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert not RuleCache(blocked / "rule", key).save(measured_estimates())  # a file where the folder goes
+
+
+def test_cache_directory_setting(tmp_path, monkeypatch):
+    monkeypatch.setenv("ROLLOUT_SSD_CACHE", str(tmp_path))
+    monkeypatch.setenv("ROLLOUT_SSD_RULE_CACHE", "1")
+    assert cache_directory(True) == tmp_path / "rule"
+    assert cache_directory(str(tmp_path / "x")) == tmp_path / "x" and cache_directory(False) is None
+    monkeypatch.setenv("ROLLOUT_SSD_RULE_CACHE", "0")
+    assert cache_directory(True) is None
+    with pytest.raises(ValueError, match="SpecConfig.rule_cache"):
+        SpecConfig(method="ssd", rule_cache=3)
+
+
+def test_second_engine_decides_at_once_from_the_first_ones_measurements(pair48, tmp_path, monkeypatch):
+    """Engine 1 explores (AR, SD, SSD rounds at 3 sequences; AR scores 1.5 against 1.0, so each other
+    plan is left after its first timed round whatever the host's timings) and saves; engine 2, same
+    models and settings, restores those times: at 3 sequences it has nothing to explore, so its first
+    round is the rule's decision; the tokens are the same (greedy; every plan is lossless). A third
+    engine with another k has another key and explores anew."""
+    import rollout_ssd.ssd.rule as strategy_module
+
+    monkeypatch.setattr(strategy_module, "strategy_scores",
+                        lambda inputs, names: {n: 1.5 if n == "ar" else 1.0 for n in names})
+    target, draft = pair48
+    params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)  # more rounds than exploring takes
+
+    def run(k: int):
+        """The tokens, and (batch, plan, decided) of each round at 3 sequences."""
+        engine = ssd_engine(target, draft, 3, k=k, strategy_rule=True, rule_cache=str(tmp_path))
+        chooser, plans = engine.strategy.chooser, []
+        choose = chooser.choose
+        chooser.choose = lambda batch, fallback=None: (plans.append((batch, choose(batch, fallback), chooser.decided)),
+                                                       plans[-1][1])[1]
+        tokens = [r.token_ids for r in engine.sample(PROMPTS, params)]
+        engine.close()
+        return tokens, [p for p in plans if p[0] == 3]
+
+    runs = [run(k) for k in (3, 3, 2)]
+    (tokens1, first), (tokens2, second), (_, third) = runs
+    assert [p.label for _, p, _ in first[:2]] == ["ar", "ar"] and not first[0][2]  # exploring: not decided
+    assert second[0][2], "the second engine explored instead of deciding from the cache"
+    assert not third[0][2] and [p.label for _, p, _ in third[:2]] == ["ar", "ar"]
+    assert tokens2 == tokens1
+    assert len(list(tmp_path.glob("rule-*.json"))) == 2  # one file per key
