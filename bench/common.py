@@ -20,6 +20,9 @@ from typing import Callable, Optional, Sequence
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# SSD engines measure anew as on a machine they never ran on, unless a bench names a rule cache
+# (SpecConfig.rule_cache: a directory; bench/fresh_engines.py --rule-cache warm)
+os.environ.setdefault("ROLLOUT_SSD_RULE_CACHE", "0")
 
 
 def add_repo_to_path() -> None:

@@ -8,6 +8,7 @@ verify / wait / calibration seconds; then seconds per plan. The rounds show what
 exploration costs at each batch size the call passes through as sequences end.
 
     .venv/bin/python bench/trace_demo.py
+    .venv/bin/python bench/trace_demo.py --rule-cache DIR   # twice: the second SSD engine starts from the first's
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from fresh_engines import run
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="16 new tokens")
+    p.add_argument("--rule-cache", default=None, metavar="DIR",
+                   help="the SSD engine's SpecConfig.rule_cache (default: off, a machine's first run)")
     args = p.parse_args(argv)
     new_tokens = 16 if args.quick else 0  # 0: the workload's 96
     engines, trace = [], []
     for method in ("ar", "ssd"):
-        out = run(method, "demo", new_tokens)
+        out = run(method, "demo", new_tokens, rule_cache=args.rule_cache or False)
         engines.append({"engine": method, "call s": out["seconds"], "prefill s": out["prefill_seconds"],
                         "tokens": out["tokens"], "tok/s": out["tokens"] / out["seconds"]})
         trace = out["trace"] or trace

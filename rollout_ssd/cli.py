@@ -35,7 +35,7 @@ def demo(args) -> int:
 
     params = SamplingParams(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                             seed=args.seed, chat=True)
-    rows, shown, model = [], False, None
+    rows, shown, model, notes = [], False, None, []
     for method in _methods(args.methods):
         draft = None
         if method != "ar":
@@ -54,6 +54,12 @@ def demo(args) -> int:
         with engine:
             rollouts = engine.sample(DEMO_PROMPTS, params, progress=True)
             m = engine.metrics()
+            cache = getattr(engine.strategy, "rule_cache", None)
+            if cache is not None:  # what the SSD engine's rule started from (ssd/rule_cache.py)
+                restored = engine.strategy.restored_times
+                notes.append(f"{method}: the strategy rule started from {restored} times measured on this machine "
+                             f"by earlier runs ({cache.path})" if restored else
+                             f"{method}: the strategy rule measured each plan anew (kept for the next run: {cache.path})")
         if not shown:
             for r in rollouts:
                 print(f"--- prompt {r.prompt_index} sample {r.sample_index} ({len(r.token_ids)} tokens, {r.finish_reason})")
@@ -64,6 +70,8 @@ def demo(args) -> int:
         model = engine.target.model
     if model is not None:
         _table(rows, model.dtype, model.embed.device)
+    for note in notes:
+        print(note)
     return 0
 
 

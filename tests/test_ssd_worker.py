@@ -299,28 +299,34 @@ def test_saguaro_keeps_the_misses_in_the_worker(pair, ar_out):
     engine.close()
 
 
-def test_beside_a_worker_the_target_prefills_on_every_core_before_the_worker(pair, ar_out):
-    """On a CPU split with the worker: the target's prefill runs on every core, then the in-process
-    speculator's (made with the engine: it drafts SSD's misses), and the worker is told of the new
-    sequences after both (overlapped, a prefill here would share its core); greedy stays AR's."""
+def test_beside_a_worker_the_target_prefills_on_every_core_before_the_worker(pair, ar_out, monkeypatch):
+    """On a CPU split with the worker (every round SSD): the target's prefill runs on every core; the
+    worker is told of the new sequences at their first round, and the in-process speculator (made at
+    the first round that drafts SSD's misses with it) prefills on every core only once the worker has
+    answered that round, so the two prefills never share a core; greedy stays AR's."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two CPU cores")
     import torch
 
+    from rollout_ssd.spec.draft_model import DraftModelSpeculator
+    from rollout_ssd.ssd.messages import AdmitSequences
+
     wide = (os.sched_getaffinity(0), torch.get_num_threads())
     engine = ssd_engine(*pair, batch=3, k=3, worker=True)
     ssd, events = engine.strategy, []
-    prefill, admit = ssd.runner.prefill, ssd.draft.admit
-    ssd.runner.prefill = lambda *a, **kw: (events.append(("prefill", os.sched_getaffinity(0),
-                                                          torch.get_num_threads())), prefill(*a, **kw))[1]
-    ssd.draft.admit = lambda seqs: (events.append(("admit",)), admit(seqs))[1]
-    assert ssd.sd is not None  # made with the engine
-    sd_prefill = ssd.sd.runner.prefill
-    ssd.sd.runner.prefill = lambda *a, **kw: (events.append(("sd prefill", os.sched_getaffinity(0),
-                                                             torch.get_num_threads())), sd_prefill(*a, **kw))[1]
+    assert ssd.sd is None  # made at its first use
+    where = lambda: (os.sched_getaffinity(0), torch.get_num_threads())  # noqa: E731
+    prefill, client = ssd.runner.prefill, ssd.draft.client
+    send, request = client.send, client.request
+    ssd.runner.prefill = lambda *a, **kw: (events.append(("prefill", *where())), prefill(*a, **kw))[1]
+    client.send = lambda msg: (events.append(("admit",)) if isinstance(msg, AdmitSequences) else None, send(msg))[1]
+    client.request = lambda msg: (request(msg), events.append(("reply",)))[0]
+    sd_admit = DraftModelSpeculator.on_admit
+    monkeypatch.setattr(DraftModelSpeculator, "on_admit",
+                        lambda self, seqs: (events.append(("sd prefill", *where())), sd_admit(self, seqs))[1])
     assert [r.token_ids for r in engine.sample(PROMPTS, GREEDY)] == ar_out
-    assert events[:3] == [("prefill", *wide), ("sd prefill", *wide), ("admit",)]
-    assert all(e[1:] == wide for e in events if e[0] != "admit")
+    assert events[:4] == [("prefill", *wide), ("admit",), ("reply",), ("sd prefill", *wide)]
+    assert all(e[1:] == wide for e in events if e[0] in ("prefill", "sd prefill"))
     engine.close()
 
 

@@ -68,18 +68,16 @@ class SSDDecode(DecodeStrategy):
         self.chooser = Chooser(config, estimates, stats, backup=fast)
         directory = cache_directory(config.rule_cache)  # what an earlier engine here measured (ssd/rule_cache.py)
         self.rule_cache = None if directory is None else RuleCache(directory, engine_key(runner, draft_model, config))
-        if self.rule_cache is not None:
-            self.rule_cache.load(estimates)
+        self.restored_times = 0 if self.rule_cache is None else self.rule_cache.load(estimates)
         self.telemetry = RoundTelemetry(estimates, self.planner, stats, None if backup is None else backup.name)
         self.draft = DraftSide(draft_model, runner.model.hf_parameters(), config, stats,
                                runner.cache.num_slots, max_model_len or runner.max_len)
         # SD rounds (and, Saguaro off, SSD's misses) while a worker process holds a CPU core: the SD
         # engine's own speculator, in this process on every core (the worker would draft on its one
-        # core). Told of every sequence; made now where it drafts misses, so that it prefills new
-        # sequences on every core at admission (on_admit), not narrowed inside a round
+        # core). Made at the first round that drafts with it (on every core; it prefills the live
+        # sequences then, and each new one at admission after that): a call the rule runs AR on
+        # throughout never pays its prefill
         self.sd: Optional[DraftModelSpeculator] = None
-        if self._drafts_misses_here(Plan.SSD_DRAFT):
-            self._speculator()
 
     # ------------------------------------------------------------------ one round
     def step(self, running: list[Sequence]) -> int:
