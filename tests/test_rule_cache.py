@@ -1,6 +1,7 @@
 """The strategy rule's per-machine cache (ssd/rule_cache.py): the estimates' snapshot and restore, the
-file's key, bad or foreign files ignored, and a second engine that starts from the first one's
-measurements: it decides at once instead of exploring, and generates the same tokens."""
+choices per batch bucket, the file's key, bad or foreign files ignored (and changing nothing), and a
+second engine that starts from the first one's measurements: it decides at once instead of exploring,
+and generates the same tokens."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import math
 import pytest
 
 from rollout_ssd import SamplingParams, SpecConfig
+from rollout_ssd.metrics import EngineMetrics
+from rollout_ssd.ssd.chooser import Chooser, Plan
+from rollout_ssd.ssd.config import SSDConfig
 from rollout_ssd.ssd.estimates import EstimatesConfig, LiveEstimates, _BatchTimes
 from rollout_ssd.ssd.rule_cache import RuleCache, cache_directory
 from tests.support.models import tiny_pair
@@ -75,27 +79,43 @@ def test_restore_rejects_what_is_not_a_snapshot_and_changes_nothing(bad):
     assert est.snapshot()["times"] == {} and est.accept_rate("draft") == 0.6
 
 
+def chooser(estimates=None, strategy_rule: bool = True) -> Chooser:
+    estimates = estimates or LiveEstimates(EstimatesConfig(k=3))
+    return Chooser(SSDConfig(k=3, strategy_rule=strategy_rule), estimates, EngineMetrics(), backup=None)
+
+
 def test_cache_file_round_trip_key_and_bad_files(tmp_path, caplog):
     key = {"format": 1, "device": "cpu: test", "ssd": {"k": 3}}
     cache = RuleCache(tmp_path / "rule", key)
-    assert cache.load(LiveEstimates(EstimatesConfig(k=3))) == 0  # no file yet: silently nothing
-    assert not cache.save(LiveEstimates(EstimatesConfig(k=3)))  # nothing measured: nothing written
-    assert cache.save(measured_estimates()) and cache.path.is_file()
+    assert cache.load(chooser()) == 0  # no file yet: silently nothing
+    assert not cache.save(chooser())  # nothing measured: nothing written
+    old = chooser(measured_estimates())
+    old.restore_choices({3: Plan.SD, 1: Plan.AR})
+    assert cache.save(old) and cache.path.is_file()
     assert [p.name for p in cache.path.parent.iterdir()] == [cache.path.name]  # no temporary file left
-    assert cache.load(LiveEstimates(EstimatesConfig(k=3))) == 3
+    new = chooser()
+    assert cache.load(new) == 3 and new.kept_choices() == {"3": "sd", "1": "ar"}
+    assert new.budget_cap(4) is None and new.budget_cap(2) is not None  # bucket 3 decided, bucket 2 not
+    fixed = chooser(strategy_rule=False)  # the rule off: the times only (no choice to make)
+    assert cache.load(fixed) == 3 and fixed.kept_choices() == {}
     other = RuleCache(tmp_path / "rule", {**key, "ssd": {"k": 4}})
-    assert other.path != cache.path and other.load(LiveEstimates(EstimatesConfig(k=3))) == 0
+    assert other.path != cache.path and other.load(chooser()) == 0
+    good = json.loads(cache.path.read_text())
     with caplog.at_level(logging.WARNING, logger="rollout_ssd.ssd.rule_cache"):
         other.path.write_text(cache.path.read_text())  # another key's contents under this key's name
-        assert other.load(LiveEstimates(EstimatesConfig(k=3))) == 0
+        assert other.load(chooser()) == 0
         cache.path.write_text("{not json")
-        assert cache.load(LiveEstimates(EstimatesConfig(k=3))) == 0
-        cache.path.write_text(json.dumps({"key": key, "estimates": {"times": {"decode": {"4": [-1, 1]}}}}))
-        assert cache.load(LiveEstimates(EstimatesConfig(k=3))) == 0
-    assert [r.message.split(" ")[4] for r in caplog.records] == ["is", "not", "has"]
+        assert cache.load(chooser()) == 0
+        for bad in ({"estimates": {"times": {"decode": {"4": [-1, 1]}}}}, {"choices": {"3": "warp"}},
+                    {"choices": {"x": "ar"}}):
+            cache.path.write_text(json.dumps({**good, **bad}))
+            untouched = chooser()
+            assert cache.load(untouched) == 0
+            assert untouched.kept_choices() == {} and untouched.estimates.snapshot()["times"] == {}
+    assert [r.message.split(" ")[4] for r in caplog.records] == ["is", "not", "has", "has", "has"]
     blocked = tmp_path / "file"
     blocked.write_text("")
-    assert not RuleCache(blocked / "rule", key).save(measured_estimates())  # a file where the folder goes
+    assert not RuleCache(blocked / "rule", key).save(old)  # a file where the folder goes
 
 
 def test_cache_directory_setting(tmp_path, monkeypatch):
@@ -137,6 +157,7 @@ def test_second_engine_decides_at_once_from_the_first_ones_measurements(pair48, 
     (tokens1, first), (tokens2, second), (_, third) = runs
     assert [p.label for _, p, _ in first[:2]] == ["ar", "ar"] and not first[0][2]  # exploring: not decided
     assert second[0][2], "the second engine explored instead of deciding from the cache"
+    assert {p.label for _, p, _ in second} == {"ar"}  # the first engine's choice at 3 sequences, kept
     assert not third[0][2] and [p.label for _, p, _ in third[:2]] == ["ar", "ar"]
     assert tokens2 == tokens1
     assert len(list(tmp_path.glob("rule-*.json"))) == 2  # one file per key

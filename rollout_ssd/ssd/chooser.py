@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from enum import Enum
 from typing import Optional
 
@@ -121,6 +122,27 @@ class Chooser:
         self._since_probe: dict[int, int] = {}  # batch_bucket -> decided rounds since its last probe
         self._tries: dict[tuple[int, str], int] = {}  # (batch_bucket, plan label) -> unmeasured-plan rounds run
         self._decided_rounds: dict[int, int] = {}  # batch_bucket -> rounds decided there
+
+    def kept_choices(self) -> dict[str, str]:
+        """The plan chosen at each batch bucket, as JSON data (ssd/rule_cache.py keeps it)."""
+        return {str(bucket): plan.label for bucket, plan in self._choices.items()}
+
+    def parse_choices(self, choices: Mapping) -> dict[int, Plan]:
+        """An earlier engine's `kept_choices` as {bucket: plan}; a ValueError for a bucket or plan this
+        chooser does not know."""
+        parsed = {}
+        for bucket, label in dict(choices).items():
+            if not str(bucket).isdigit() or int(bucket) < 1 or label not in self.rule.config.candidates:
+                raise ValueError(f"not a kept choice: bucket {bucket!r}, plan {label!r}")
+            parsed[int(bucket)] = Plan(label)
+        return parsed
+
+    def restore_choices(self, choices: dict[int, Plan]) -> None:
+        """Start from an earlier engine's choices (`parse_choices`): at those buckets the rule decides at
+        once (no exploring rounds), keeping the choice by the hysteresis as it would keep its own.
+        Nothing with the rule fixed."""
+        if self.rule.config.fixed is None:
+            self._choices.update(choices)
 
     def choose(self, batch: int, fallback: Optional[Plan] = None) -> Plan:
         """The plan for a round of `batch` sequences; `fallback` (the draft side failed) overrides it.

@@ -68,7 +68,7 @@ class SSDDecode(DecodeStrategy):
         self.chooser = Chooser(config, estimates, stats, backup=fast)
         directory = cache_directory(config.rule_cache)  # what an earlier engine here measured (ssd/rule_cache.py)
         self.rule_cache = None if directory is None else RuleCache(directory, engine_key(runner, draft_model, config))
-        self.restored_times = 0 if self.rule_cache is None else self.rule_cache.load(estimates)
+        self.restored_times = 0 if self.rule_cache is None else self.rule_cache.load(self.chooser)
         self.telemetry = RoundTelemetry(estimates, self.planner, stats, None if backup is None else backup.name)
         self.draft = DraftSide(draft_model, runner.model.hf_parameters(), config, stats,
                                runner.cache.num_slots, max_model_len or runner.max_len)
@@ -258,7 +258,7 @@ class SSDDecode(DecodeStrategy):
 
     def _keep_measurements(self) -> None:
         if self.rule_cache is not None:
-            self.rule_cache.save(self.chooser.estimates)
+            self.rule_cache.save(self.chooser)
 
     def on_weights_changed(self) -> None:
         self.draft.on_weights_changed()

@@ -4,11 +4,13 @@ A fresh SSD engine knows nothing of this machine: at each batch size it first ru
 SSD to time them (ssd/chooser.py, `_explore`), and a short first `sample` call (the main job's, a
 restarted RL actor's first step) spends much of itself there. Like a compiler's autotuning cache,
 `RuleCache` keeps the live estimates' times per batch size (with how often each was measured), hit
-rate, acceptance and tokens per round (ssd/estimates.py, `snapshot`) in a JSON file; an engine with
-the same key restores them (`restore`): the times as measurements, so the rule decides at once where
-they cover a plan, and the rates as priors, which its own rounds outweigh within a few rounds. The
-rule goes on measuring as always (probes of close plans, AR's calibrations), so a cache from a slower
-or faster hour of a shared host is corrected as the engine runs.
+rate, acceptance and tokens per round (ssd/estimates.py, `snapshot`), and the plan the rule chose at
+each batch bucket (ssd/chooser.py, `kept_choices`) in a JSON file; an engine with the same key restores
+them: the times as measurements and the choices as its own, so at those buckets the rule decides at
+once, keeping a choice by the hysteresis as a long-running engine would; the rates as priors, which
+its own rounds outweigh within a few rounds. The rule goes on measuring as always (probes of close
+plans, AR's calibrations), so a cache from a slower or faster hour of a shared host, or another
+workload, is corrected as the engine runs.
 
 The key is everything the times depend on: the CPU (model name, kind, cores), torch's threads, the
 device, the target's and draft's architecture and dtype, the SSD settings that shape a round, and the
@@ -39,7 +41,7 @@ import rollout_ssd
 from rollout_ssd.models.cpu_backend import cpu_kind, cpu_model
 from rollout_ssd.models.decoder import Decoder
 from rollout_ssd.runner import ModelRunner
-from rollout_ssd.ssd.estimates import LiveEstimates
+from rollout_ssd.ssd.chooser import Chooser
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +96,9 @@ class RuleCache:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
         self.path = Path(directory) / f"rule-{digest}.json"
 
-    def load(self, estimates: LiveEstimates) -> int:
-        """Restore the estimates from the file; the times restored (0: no file, or one ignored)."""
+    def load(self, chooser: Chooser) -> int:
+        """Restore the chooser's estimates and its choice per batch bucket from the file; the times
+        restored (0: no file, or one ignored)."""
         try:
             data = json.loads(self.path.read_text(encoding="utf-8"))
         except FileNotFoundError:
@@ -107,17 +110,19 @@ class RuleCache:
             log.warning("strategy rule cache %s is for another engine or format: measuring anew", self.path)
             return 0
         try:
-            restored = estimates.restore(data["estimates"])
+            choices = chooser.parse_choices(data["choices"])  # checked first: a bad file changes nothing
+            restored = chooser.estimates.restore(data["estimates"])
+            chooser.restore_choices(choices)
         except (KeyError, TypeError, ValueError) as err:
             log.warning("strategy rule cache %s has bad values (%s): measuring anew", self.path, err)
             return 0
         log.info("strategy rule: %d measured times restored from %s", restored, self.path)
         return restored
 
-    def save(self, estimates: LiveEstimates) -> bool:
-        """Write the estimates' snapshot (nothing when nothing was timed); False when it could not be
-        written (a warning: the engine runs on, measuring anew next time)."""
-        state = estimates.snapshot()
+    def save(self, chooser: Chooser) -> bool:
+        """Write the chooser's estimates and choices (nothing when nothing was timed); False when it could
+        not be written (a warning: the engine runs on, measuring anew next time)."""
+        state = chooser.estimates.snapshot()
         if not state["times"]:
             return False
         try:
@@ -128,7 +133,7 @@ class RuleCache:
             return False
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump({"key": self.key, "estimates": state}, f)
+                json.dump({"key": self.key, "estimates": state, "choices": chooser.kept_choices()}, f)
             os.replace(tmp, self.path)
         except OSError as err:
             log.warning("strategy rule cache %s not written: %s", self.path, err)
