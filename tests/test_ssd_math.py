@@ -724,16 +724,19 @@ def test_chooser_measures_ar_then_sd_then_ssd_unless_corollary_9_caps_it_below_t
     assert chooser.budget_cap(1) is None  # decided at bucket 1
 
 
-def test_an_ar_round_beside_a_worker_times_one_verify_shaped_step_on_the_targets_core_per_bucket():
-    """In an AR round beside a worker, `calibrate` times one forward of K+1 tokens per sequence (within
-    each sequence's room in the cache; every row's logits) on the target's own core as "verify_narrow",
-    or, past VERIFY_SHAPE_MAX_ROWS rows, one AR step as "decode_narrow"; then undoes it, widens again,
-    and times nothing more at that bucket; a round of first rounds, or no worker, times nothing."""
+def test_beside_a_worker_one_verify_shaped_step_is_timed_per_bucket_where_it_could_change_the_cap():
+    """In an AR or SD round beside a worker, `calibrate` times one forward of K+1 tokens per sequence
+    (within each sequence's room in the cache; every row's logits) on the target's own core as
+    "verify_narrow", or, past VERIFY_SHAPE_MAX_ROWS rows, one AR step as "decode_narrow"; then undoes
+    it, widens again, and times nothing more at that bucket. Only where SD's verify was measured and the
+    cap at v = 1 exceeds the best measured rate (v <= 1: below it no v could let SSD in). Priors a = 0.6,
+    K = 3: E = 2.176; at 3 sequences AR 3 / 0.02 = 150 tok/s; SD's verify 0.025 s: the cap at v = 1 is
+    3 * 2.176 / 0.025 = 261 tok/s, above SD's 3 * 2.176 / 0.035 = 187 (timed); SD's verify 0.06 s: 109,
+    below AR's 150 (not timed). A round of first rounds, or no worker, times nothing."""
     from types import SimpleNamespace
 
     from rollout_ssd.ssd.chooser import VERIFY_SHAPE_MAX_ROWS, Plan, batch_bucket
 
-    chooser, _ = _fresh_chooser(k=3)
     calls, shares = [], []
 
     class Runner:
@@ -745,10 +748,24 @@ def test_an_ar_round_beside_a_worker_times_one_verify_shaped_step_on_the_targets
         def rollback(self, slot, n):
             calls.append(("rollback", slot, n))
 
-    cores = SimpleNamespace(narrow=lambda: shares.append("narrow"), widen=lambda: shares.append("widen"))
+    def chooser_with(verify: float, batches=(3,)):
+        chooser, _ = _fresh_chooser(k=3)
+        for b in batches:
+            chooser.estimates.observe_time("decode", 0.02 * b / 3, b)
+            chooser.estimates.observe_time("plain_verify", verify * b / 3, b)
+            chooser.estimates.observe_time("plain_draft", 0.01 * b / 3, b)
+        return chooser
+
+    cores = SimpleNamespace(narrow=lambda: shares.append("narrow"), widen=lambda: shares.append("widen"),
+                            is_wide=True)
     running = [SimpleNamespace(slot=i, last_token=7, num_tokens=n) for i, n in enumerate((10, 48, 20))]
-    assert chooser.calibrate(Runner(), running, cold=True, cores=cores, plan=Plan.AR) == 0.0 and not calls
-    assert chooser.calibrate(Runner(), running, cold=False, cores=None, plan=Plan.AR) == 0.0 and not calls
+    fresh, _ = _fresh_chooser(k=3)
+    fresh.estimates.observe_time("decode", 0.02, 3)
+    assert fresh.calibrate(Runner(), running, cold=False, cores=cores, plan=Plan.AR) == 0.0  # SD's verify untimed
+    chooser = chooser_with(verify=0.025)
+    assert chooser.calibrate(Runner(), running, cold=True, cores=cores, plan=Plan.AR) == 0.0
+    assert chooser.calibrate(Runner(), running, cold=False, cores=None, plan=Plan.AR) == 0.0
+    assert not calls
     chooser.calibrate(Runner(), running, cold=False, cores=cores, plan=Plan.AR)
     # room in the cache: 50 - (num_tokens - 1) -> 4 (K+1), 3, 4 tokens
     assert calls == [([0, 1, 2], [4, 3, 4], False), ("rollback", 0, 9), ("rollback", 1, 47), ("rollback", 2, 19)]
@@ -756,10 +773,19 @@ def test_an_ar_round_beside_a_worker_times_one_verify_shaped_step_on_the_targets
     calls.clear()
     chooser.calibrate(Runner(), running[:2], cold=False, cores=cores, plan=Plan.AR)  # bucket 2 again
     assert not calls
-    wide = [SimpleNamespace(slot=i, last_token=7, num_tokens=10) for i in range(VERIFY_SHAPE_MAX_ROWS // 4 + 1)]
-    chooser.calibrate(Runner(), wide, cold=False, cores=cores, plan=Plan.AR)
-    assert calls[0] == (list(range(len(wide))), [1] * len(wide), True)
-    assert chooser.estimates.times_measured("decode_narrow", batch_bucket(len(wide))) == 1
+    in_sd = chooser_with(verify=0.025)  # an SD round times it too (then its own calibrations, if due)
+    in_sd.calibrate(Runner(), running, cold=False, cores=cores, plan=Plan.SD)
+    assert calls[0] == ([0, 1, 2], [4, 3, 4], False) and in_sd.estimates.times_measured("verify_narrow", 2) == 1
+    calls.clear()
+    excluded_anyway = chooser_with(verify=0.06)
+    excluded_anyway.calibrate(Runner(), running, cold=False, cores=cores, plan=Plan.AR)
+    assert not calls and not excluded_anyway.estimates.measured("verify_narrow", 2)
+    n = VERIFY_SHAPE_MAX_ROWS // 4 + 1
+    wide = [SimpleNamespace(slot=i, last_token=7, num_tokens=10) for i in range(n)]
+    past = chooser_with(verify=0.025, batches=(n,))
+    past.calibrate(Runner(), wide, cold=False, cores=cores, plan=Plan.AR)
+    assert calls[0] == (list(range(n)), [1] * n, True)
+    assert past.estimates.times_measured("decode_narrow", batch_bucket(n)) == 1
 
 
 def test_chooser_tries_a_plan_whose_rounds_time_nothing_once_more_then_moves_on():

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from enum import Enum
 from typing import Optional
 
 from rollout_ssd.gpu.timing import DeviceTimer
@@ -32,6 +31,7 @@ from rollout_ssd.ssd import rule as rules
 from rollout_ssd.ssd.config import SSDConfig
 from rollout_ssd.ssd.cores import TargetCores
 from rollout_ssd.ssd.estimates import LiveEstimates
+from rollout_ssd.ssd.plans import Plan, batch_bucket, candidate_plans
 from rollout_ssd.ssd.rule import StrategyConfig, StrategyInputs, StrategyRule, expected_tokens_per_round
 
 log = logging.getLogger(__name__)
@@ -49,58 +49,6 @@ MEASURED_BY = {"ssd+neural": ("verify",), "ssd+suffix": ("verify",), "ssd+random
                "sd": ("plain_verify", "plain_draft"), "suffix": ("plain_verify",), "ar": ("decode",)}
 VERIFY_SHAPE_MAX_ROWS = 64  # beyond: the one-core step is an AR step (a verify's shape there costs a verify or more)
 FIRST_CALIBRATION_GAP = 16  # rounds after the warm-up calibrations (each costs one AR step of the batch)
-
-
-class Plan(Enum):
-    """What one round runs. The value is its label: what `ssd/strategy`, `ssd/scores` and
-    `ssd/strategy_rounds` report, and the rule's name for it."""
-
-    SSD_DRAFT = "ssd+neural"  # SSD; the draft model drafts a chain on a miss
-    SSD_SUFFIX = "ssd+suffix"  # SSD; the suffix speculator covers misses
-    SSD_RANDOM = "ssd+random"  # SSD; the random speculator covers misses
-    SD = "sd"  # plain SD with the draft model (on the draft side)
-    SUFFIX = "suffix"  # plain SD with the suffix speculator
-    AR = "ar"
-
-    @property
-    def label(self) -> str:
-        return self.value
-
-    @property
-    def is_ssd(self) -> bool:
-        """Chains come from the speculation cache, and the draft side builds the next one."""
-        return self in (Plan.SSD_DRAFT, Plan.SSD_SUFFIX, Plan.SSD_RANDOM)
-
-    @property
-    def asks_draft_side(self) -> bool:
-        """The draft side is asked for this round's chains."""
-        return self.is_ssd or self is Plan.SD
-
-    @property
-    def drafts_on_miss(self) -> bool:
-        """Where the cache has no chain, the draft side drafts one on demand."""
-        return self in (Plan.SSD_DRAFT, Plan.SD)
-
-    @property
-    def uses_backup(self) -> bool:
-        """The fast backup speculator proposes where the draft side gave no chain."""
-        return self in (Plan.SSD_SUFFIX, Plan.SSD_RANDOM, Plan.SUFFIX)
-
-
-def batch_bucket(batch: int) -> int:
-    """Batch sizes that share a plan choice: 1, 2-3, 4-7, 8-15, 16-31, ..."""
-    return batch.bit_length()
-
-
-def candidate_plans(backup: Optional[str]) -> tuple[Plan, ...]:
-    """What the rule may pick, given the fast backup speculator (None: the draft model covers misses)."""
-    plans = [Plan.SSD_DRAFT, Plan.SD, Plan.AR]
-    if backup == "suffix":
-        plans[1:1] = [Plan.SSD_SUFFIX]
-        plans[3:3] = [Plan.SUFFIX]
-    elif backup == "random":
-        plans[1:1] = [Plan.SSD_RANDOM]
-    return tuple(plans)
 
 
 class Chooser:
@@ -206,8 +154,8 @@ class Chooser:
 
     def _explore(self, bucket: int, inputs: Optional[StrategyInputs], scores: dict[str, float]) -> Optional[Plan]:
         """The next plan to measure at a bucket the rule has not decided at, or None when each was
-        measured (or ruled out): AR first (the cheapest round; it also times one step on the target's own
-        core beside a worker: `calibrate`), then plain speculation, then SSD, each for decide_after timed
+        measured (or ruled out): AR first (the cheapest round), then plain speculation (beside a worker
+        its rounds may time one step on the target's own core: `calibrate`), then SSD, each for decide_after timed
         rounds (one round's timing is noisy), SSD not at all where Corollary 9's cap (`_excluded`) says it
         cannot beat what was measured; a plan whose first timed rounds score decide_margin below the best
         other measured one (AR, plain speculation) is left there. Each round of it emits tokens; a round of
@@ -246,22 +194,45 @@ class Chooser:
         emits at most a full K-token draft chain's tokens E(a, K) per sequence (every verdict a hit, the
         cache build hidden, no transfer); beside a worker on a CPU its verify runs on fewer cores, at
         least SD's verify / v, v = (SD's verify, on every core) / (a forward of the verify's shape on the
-        target's own core, timed in an AR round; else the same ratio of AR steps). So SSD
+        target's own core; else the same ratio of AR steps; 1 while neither was timed). So SSD
         <= b * E(a, K) * v / t_verify(SD), which is SD's rate times v * (1 + T_SD) * E(a, K) / E_SD
         (docs/THEORY.md, Corollary 9 on different hardware). Empty until AR or SD was timed here."""
+        ssd, best = self._cap_question(bucket, scores)
+        if not ssd:
+            return set()
+        return set(ssd) if self._ssd_cap(bucket, inputs, v=None) <= best else set()
+
+    def _cap_question(self, bucket: int, scores: dict[str, float]) -> tuple[list[str], float]:
+        """The SSD plans not yet timed at this bucket and the best measured AR / plain rate they must beat
+        (no plans while neither AR nor plain speculation was timed here)."""
         measured = self._measured_others(bucket, scores)
         ssd = [c for c in self.rule.config.candidates if Plan(c).is_ssd and not self._times_timed(c, bucket)]
         if not ssd or not measured:
-            return set()
+            return [], 0.0
+        return ssd, max(scores[c] for c in measured)
+
+    def _ssd_cap(self, bucket: int, inputs: StrategyInputs, v: Optional[float]) -> float:
+        """`_excluded`'s bound on SSD's batch tokens per second at v (None: v from what was timed here)."""
         est, b = self.estimates, inputs.batch_size
-        v, verify = 1.0, inputs.plain_verify_seconds if est.measured("plain_verify", bucket) else inputs.decode_seconds
-        if est.measured("verify_narrow", bucket) and est.measured("plain_verify", bucket):
-            v = min(1.0, verify / est.seconds("verify_narrow", b))  # the verify's own shape on one core
-        elif est.measured("decode_narrow", bucket) and est.measured("decode", bucket):
-            v = min(1.0, est.seconds("decode", b) / est.seconds("decode_narrow", b))
-        cap = b * expected_tokens_per_round(est.accept_rate("draft"), inputs.k) * v / verify
-        best = max(scores[c] for c in measured)
-        return set(ssd) if cap <= best else set()
+        verify = inputs.plain_verify_seconds if est.measured("plain_verify", bucket) else inputs.decode_seconds
+        if v is None:
+            v = 1.0
+            if est.measured("verify_narrow", bucket) and est.measured("plain_verify", bucket):
+                v = min(1.0, verify / est.seconds("verify_narrow", b))  # the verify's own shape on one core
+            elif est.measured("decode_narrow", bucket) and est.measured("decode", bucket):
+                v = min(1.0, est.seconds("decode", b) / est.seconds("decode_narrow", b))
+        return b * expected_tokens_per_round(est.accept_rate("draft"), inputs.k) * v / verify
+
+    def _needs_verify_shape(self, bucket: int, batch: int) -> bool:
+        """Whether `_excluded`'s v is worth timing at this bucket: SSD plans are untimed here and plain
+        speculation's verify was measured (the cap's denominator), yet the cap at v = 1 does not exclude
+        them. v <= 1, so what v = 1 excludes every v excludes, and the one-core step (a verify's cost,
+        and on a CPU more) is spared where it could not change the answer."""
+        if not self.estimates.measured("plain_verify", bucket):
+            return False
+        inputs = self.estimates.inputs(batch)
+        ssd, best = self._cap_question(bucket, rules.strategy_scores(inputs, self.rule.config.candidates))
+        return bool(ssd) and self._ssd_cap(bucket, inputs, v=1.0) > best
 
     def budget_cap(self, batch: int) -> Optional[int]:
         """A bound on the fan-out budget per sequence while the rule has not chosen at this batch size:
@@ -325,42 +296,36 @@ class Chooser:
     def calibrate(self, runner: ModelRunner, running: list[Sequence], cold: bool,
                   cores: Optional[TargetCores] = None, plan: Optional[Plan] = None) -> float:
         """Time one plain AR decode forward of this batch (then undo it), so the rule compares against
-        AR's real step time rather than a prior. On a CPU a verify of K+1 tokens costs more than one
-        decode step (docs/THEORY.md §3), and without this the rule (and ssd/predicted_speedup) would assume
-        they cost the same. With the rule fixed, done on each of the first `decide_after` timed
-        speculating rounds (the estimate is the median of the last few, so one slow step among them
-        cannot set the first decision); with it deciding, AR's own rounds measured the step first
-        (`_explore`). Then FIRST_CALIBRATION_GAP rounds later, then every CALIBRATE_EVERY (AR rounds are
-        measured as they run); never in a round of first rounds (`cold`, one-off costs). In an AR round
-        (`plan`) only a forward of the verify's shape (K+1 tokens per sequence; an AR step beyond
-        VERIFY_SHAPE_MAX_ROWS rows) on the target's own core is timed ("verify_narrow" / "decode_narrow",
-        once per batch bucket beside a worker: `_excluded`'s v). The round calls it between the draft
-        side's answer and the chains it is sent: the draft side is idle then, as it is while AR runs, so
-        the step is not slowed by a cache build competing for memory bandwidth. With `cores`
-        (a worker process holds a core of its own) the step is timed as AR rounds run, on every core, and,
-        while SD's rounds are not yet timed at this batch bucket, once more on the target's own core
-        ("decode_narrow": their ratio scales plain speculation's verify and drafting until they are
-        measured); the target's share is left as it was. Returns the seconds spent."""
+        AR's real step time, not a prior (on a CPU a verify of K+1 tokens costs more than a decode step,
+        docs/THEORY.md §3). With the rule fixed, on each of the first `decide_after` timed speculating
+        rounds (the estimate is a median: one slow step cannot set the first decision); with it deciding,
+        AR's own rounds measured the step first (`_explore`). Then FIRST_CALIBRATION_GAP rounds later,
+        then every CALIBRATE_EVERY; never in a round of first rounds (`cold`, one-off costs). Beside a
+        worker (`cores`) in AR and (rule deciding) SD rounds, once per bucket where it could change the
+        answer, a forward of the verify's shape on the target's own core (`_time_verify_shape`: the
+        cap's v); in an AR round nothing else (the round is AR's step). The round calls this between the
+        draft side's answer and the chains it is sent: the draft side is idle then, so no cache build
+        competes for memory bandwidth. While SD's rounds are not yet timed at this bucket, the AR step
+        is timed once more on the target's own core ("decode_narrow": the ratio scales plain
+        speculation's verify and drafting until they are measured); the target's share is left as it
+        was. Returns the seconds spent."""
         if cold:
             return 0.0
         bucket = batch_bucket(len(running))
-        if plan is Plan.AR:  # the round is AR's step on every core; beside a worker, a verify's shape on its own
-            rows = len(running) * (self.config.k + 1)
-            name = "verify_narrow" if rows <= VERIFY_SHAPE_MAX_ROWS else "decode_narrow"
-            if cores is None or self.estimates.measured(name, bucket):
-                return 0.0
-            cores.narrow()
-            seconds = self._time_step(runner, running, name, tokens=self.config.k + 1 if name == "verify_narrow" else 1)
-            cores.widen()
-            return seconds
+        if plan is Plan.AR or (plan is Plan.SD and self.rule.config.fixed is None):
+            shape = self._time_verify_shape(runner, running, cores, bucket)
+            if plan is Plan.AR:  # the round is AR's step on every core: timed as it runs
+                return shape
+        else:
+            shape = 0.0
         # with the rule deciding, AR's rounds measured it first (`_explore`): later calibrations only
         warmup = self.config.decide_after if self.rule.config.fixed is not None else 1
         gap = 0 if self._calibrations < warmup else FIRST_CALIBRATION_GAP if self._calibrations == warmup \
             else CALIBRATE_EVERY
         if self._calibrations and self._rounds_since_calibration < gap:
             self._rounds_since_calibration += 1
-            return 0.0
-        seconds, was_wide = 0.0, cores is None or cores.is_wide
+            return shape
+        seconds, was_wide = shape, cores is None or cores.is_wide
         if cores is not None and not self._times_timed("sd", bucket):
             cores.narrow()
             seconds += self._time_step(runner, running, "decode_narrow")
@@ -369,6 +334,20 @@ class Chooser:
         if not was_wide:
             cores.narrow()
         self._calibrations, self._rounds_since_calibration = self._calibrations + 1, 0
+        return seconds
+
+    def _time_verify_shape(self, runner: ModelRunner, running: list[Sequence], cores: Optional[TargetCores],
+                           bucket: int) -> float:
+        """Beside a worker, once per batch bucket where `_needs_verify_shape`: one forward of the verify's
+        shape (K+1 tokens per sequence; an AR step beyond VERIFY_SHAPE_MAX_ROWS rows) on the target's own
+        core, "verify_narrow" / "decode_narrow" (`_excluded`'s v). Returns the seconds spent."""
+        rows = len(running) * (self.config.k + 1)
+        name = "verify_narrow" if rows <= VERIFY_SHAPE_MAX_ROWS else "decode_narrow"
+        if cores is None or self.estimates.measured(name, bucket) or not self._needs_verify_shape(bucket, len(running)):
+            return 0.0
+        cores.narrow()
+        seconds = self._time_step(runner, running, name, tokens=self.config.k + 1 if name == "verify_narrow" else 1)
+        cores.widen()
         return seconds
 
     def _time_step(self, runner: ModelRunner, running: list[Sequence], name: str, tokens: int = 1) -> float:

@@ -36,7 +36,6 @@ from rollout_ssd.metrics import EngineMetrics
 from rollout_ssd.models.decoder import Decoder
 from rollout_ssd.sequence import Sequence
 from rollout_ssd.spec.verify import DenseDraft, DraftDistribution, PointDraft
-from rollout_ssd.ssd.chooser import Plan
 from rollout_ssd.ssd.client import DraftClient, LocalDraftClient, WorkerFailure
 from rollout_ssd.ssd.config import SSDConfig
 from rollout_ssd.ssd.draft_server import DraftServer, weights_digest
@@ -54,6 +53,7 @@ from rollout_ssd.ssd.messages import (
     VerdictRow,
     Verdicts,
 )
+from rollout_ssd.ssd.plans import Plan
 from rollout_ssd.ssd.rng import draft_key
 from rollout_ssd.ssd.tree import SaguaroRule
 

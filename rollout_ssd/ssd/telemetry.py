@@ -21,10 +21,10 @@ from typing import Optional
 
 from rollout_ssd.decode import RoundOutcome
 from rollout_ssd.metrics import EngineMetrics
-from rollout_ssd.ssd.chooser import Plan
 from rollout_ssd.ssd.draft_side import Chains
 from rollout_ssd.ssd.estimates import LiveEstimates
 from rollout_ssd.ssd.fanout import FanoutPlan, FanoutPlanner
+from rollout_ssd.ssd.plans import Plan
 
 
 @dataclass(frozen=True)
