@@ -366,3 +366,31 @@ def test_the_worker_is_told_of_sequences_at_their_first_round_that_asks_it(pair,
     released = {row for _, m in sent if isinstance(m, ReleaseSequences) for row in m.seq_ids}
     assert released <= {row.seq_id for _, m in admits for row in m.rows}
     engine.close()
+
+
+def test_the_sd_round_that_makes_the_in_process_speculator_times_nothing(pair, ar_out):
+    """Beside a worker the SD speculator is made at the first round that drafts with it, and prefills
+    the live sequences there: that round is a one-off (timed as a first round, like a cold start), so
+    SD's estimates come from its later rounds only; greedy stays AR's."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPU cores")
+    from rollout_ssd.ssd.chooser import Plan
+
+    engine = ssd_engine(*pair, batch=3, k=3, worker=True)
+    ssd, rounds = engine.strategy, [0]
+
+    def choose(batch, fallback=None):
+        rounds[0] += 1
+        return Plan.AR if rounds[0] <= 3 else Plan.SD
+
+    ssd.chooser.choose = choose
+    ssd.trace = trace = []
+    params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    assert [r.token_ids for r in engine.sample(PROMPTS[:1], params)] == ar_out[:1]
+    sd_rounds = [r for r in trace if r["strategy"] == "sd"]
+    assert ssd.sd is not None and len(sd_rounds) >= 2
+    est = ssd.chooser.estimates
+    assert est.times_measured("plain_verify", 1) == len(sd_rounds) - 1
+    # SD's drafting is timed where a chain was drafted (not in a last round with no room left for one)
+    assert len(sd_rounds) - 2 <= est.times_measured("plain_draft", 1) <= len(sd_rounds) - 1
+    engine.close()

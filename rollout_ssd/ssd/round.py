@@ -78,6 +78,7 @@ class SSDDecode(DecodeStrategy):
         # sequences then, and each new one at admission after that): a call the rule runs AR on
         # throughout never pays its prefill
         self.sd: Optional[DraftModelSpeculator] = None
+        self._sd_fresh = False  # made in this round: the round holds its prefill (one-off: timed as a first round)
 
     # ------------------------------------------------------------------ one round
     def step(self, running: list[Sequence]) -> int:
@@ -144,11 +145,13 @@ class SSDDecode(DecodeStrategy):
             live = list(self.draft.live.values())
             if live:
                 self.sd.on_admit(live)
+                self._sd_fresh = True
         return self.sd
 
     def _propose_sd(self, running: list[Sequence], ks: list[int]) -> Chains:
         """An SD round's chains from the in-process speculator, verified against its batch law."""
-        rnd = Chains.empty([self.draft.is_first_round(s) for s in running])
+        fresh, self._sd_fresh = self._sd_fresh, False
+        rnd = Chains.empty([fresh or self.draft.is_first_round(s) for s in running])
         t0 = time.perf_counter()
         prop = self.sd.propose(running, ks)
         rnd.wait_seconds = time.perf_counter() - t0
@@ -185,6 +188,8 @@ class SSDDecode(DecodeStrategy):
         if cores is not None:
             cores.widen()
         rnd.drafted_here = (len(rows), _fill(rnd, rows, running, ks, self._speculator(), "draft"))
+        if self._sd_fresh:  # made here, with the live sequences' prefill: a one-off, timed as a first round
+            rnd.first, self._sd_fresh = [True] * len(running), False
         if cores is not None:
             cores.narrow()
         rnd.wait_seconds += rnd.drafted_here[1]
