@@ -279,6 +279,8 @@ class LiveEstimates:
         """Start from an earlier engine's `snapshot` (same machine, models and settings: the caller's
         key): its times as measurements (`_BatchTimes.seed`), its rates as the priors (prior_weight).
         Returns the times restored. A ValueError (nothing changed) when `state` is not a snapshot."""
+        if not isinstance(state, Mapping):
+            raise ValueError(f"not an estimates snapshot: {type(state).__name__}")
         times = state.get("times")
         seeds = []
         if not isinstance(times, Mapping) or set(times) - set(self._times):
@@ -291,9 +293,9 @@ class LiveEstimates:
                 seeds.append((name, int(b), float(seconds), int(count)))
         rates = [(self._accept, state["accept"], SPECULATORS), (self._tokens, state["tokens"], self.PATHS)]
         p_hit = float(state["p_hit"])
-        checked = [(k, float(v[k])) for _, v, keys in rates for k in keys]
+        values = [float(v[k]) for _, v, keys in rates for k in keys]
         accept_ok = all(0 <= float(state["accept"][s]) <= 1 for s in SPECULATORS)
-        if not 0 <= p_hit <= 1 or not accept_ok or not all(math.isfinite(v) and v >= 0 for _, v in checked):
+        if not 0 <= p_hit <= 1 or not accept_ok or not all(math.isfinite(v) and v >= 0 for v in values):
             raise ValueError("not an estimates snapshot: rates out of range")
         d, w = 0.5 ** (1.0 / self.config.halflife_rounds), self.config.prior_weight
         self._hit = _Ratio(p_hit, w, d)
