@@ -78,7 +78,6 @@ class SSDDecode(DecodeStrategy):
         # sequences then, and each new one at admission after that): a call the rule runs AR on
         # throughout never pays its prefill
         self.sd: Optional[DraftModelSpeculator] = None
-        self._sd_fresh = False  # made in this round: the round holds its prefill (one-off: timed as a first round)
 
     # ------------------------------------------------------------------ one round
     def step(self, running: list[Sequence]) -> int:
@@ -125,10 +124,7 @@ class SSDDecode(DecodeStrategy):
             cores.narrow()
             return False, cores
         cores.widen()
-        if plan is not Plan.SD:
-            return False, cores
-        self._speculator()
-        return True, cores
+        return plan is Plan.SD, cores
 
     def _drafts_misses_here(self, plan: Plan) -> bool:
         """Whether this SSD round's misses are drafted in this process by the SD speculator, on every
@@ -145,15 +141,16 @@ class SSDDecode(DecodeStrategy):
             live = list(self.draft.live.values())
             if live:
                 self.sd.on_admit(live)
-                self._sd_fresh = True
         return self.sd
 
     def _propose_sd(self, running: list[Sequence], ks: list[int]) -> Chains:
-        """An SD round's chains from the in-process speculator, verified against its batch law."""
-        fresh, self._sd_fresh = self._sd_fresh, False
+        """An SD round's chains from the in-process speculator, verified against its batch law. The round
+        that makes the speculator holds its prefill of the live sequences: a one-off, timed as a first round."""
+        fresh = self.sd is None
         rnd = Chains.empty([fresh or self.draft.is_first_round(s) for s in running])
+        sd = self._speculator()
         t0 = time.perf_counter()
-        prop = self.sd.propose(running, ks)
+        prop = sd.propose(running, ks)
         rnd.wait_seconds = time.perf_counter() - t0
         rnd.chains, rnd.whole_q = [list(t) for t in prop.tokens], prop.q
         rnd.paths = ["draft" if c else "none" for c in rnd.chains]
@@ -187,9 +184,9 @@ class SSDDecode(DecodeStrategy):
         waits for them to build the next cache), each verified against its own q."""
         if cores is not None:
             cores.widen()
+        if self.sd is None:  # made here, with the live sequences' prefill: a one-off, timed as a first round
+            rnd.first = [True] * len(running)
         rnd.drafted_here = (len(rows), _fill(rnd, rows, running, ks, self._speculator(), "draft"))
-        if self._sd_fresh:  # made here, with the live sequences' prefill: a one-off, timed as a first round
-            rnd.first, self._sd_fresh = [True] * len(running), False
         if cores is not None:
             cores.narrow()
         rnd.wait_seconds += rnd.drafted_here[1]
