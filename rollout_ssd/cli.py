@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Optional
 
 from rollout_ssd import metric_names as names
 
@@ -54,12 +55,9 @@ def demo(args) -> int:
         with engine:
             rollouts = engine.sample(DEMO_PROMPTS, params, progress=True)
             m = engine.metrics()
-            cache = getattr(engine.strategy, "rule_cache", None)
-            if cache is not None:  # what the SSD engine's rule started from (ssd/rule_cache.py)
-                restored = engine.strategy.restored_times
-                notes.append(f"{method}: the strategy rule started from {restored} times measured on this machine "
-                             f"by earlier runs ({cache.path})" if restored else
-                             f"{method}: the strategy rule measured each plan anew (kept for the next run: {cache.path})")
+            note = _rule_cache_note(method, engine.strategy)
+            if note is not None:
+                notes.append(note)
         if not shown:
             for r in rollouts:
                 print(f"--- prompt {r.prompt_index} sample {r.sample_index} ({len(r.token_ids)} tokens, {r.finish_reason})")
@@ -73,6 +71,18 @@ def demo(args) -> int:
     for note in notes:
         print(note)
     return 0
+
+
+def _rule_cache_note(method: str, strategy) -> Optional[str]:
+    """What an SSD engine's strategy rule started from (ssd/rule_cache.py), or None (no cache: AR, SD,
+    or the cache off)."""
+    cache = getattr(strategy, "rule_cache", None)
+    if cache is None:
+        return None
+    if strategy.restored_times:
+        return (f"{method}: the strategy rule started from {strategy.restored_times} times measured on this "
+                f"machine by earlier runs ({cache.path})")
+    return f"{method}: the strategy rule measured each plan anew (kept for the next run: {cache.path})"
 
 
 def _table(rows: list[tuple[str, dict]], dtype, device) -> None:

@@ -30,3 +30,21 @@ def test_table_says_where_it_ran_and_what_each_method_chose(capsys):
     assert ar[:4] == ["ar", "100", "2.0", "50.0"] and ar[4] == "-" and ar[-2:] == ["(every", "round)"]
     assert sd[:6] == ["sd", "110", "1.0", "110.0", "0.50", "1.80"]
     assert ssd[4:] == ["0.45", "1.20", "0.25", "ssd+neural", "3,", "ar", "20"]
+
+
+def test_the_demo_says_what_the_ssd_engines_rule_started_from():
+    """The line under the table: restored times and the cache file, or that the rule measured anew (and
+    where it keeps what it measured); nothing for an engine without a rule cache (AR, SD, cache off)."""
+    from types import SimpleNamespace
+
+    from rollout_ssd.cli import _rule_cache_note
+
+    cache = SimpleNamespace(path="/c/rule-x.json")
+    warm = SimpleNamespace(rule_cache=cache, restored_times=13)
+    cold = SimpleNamespace(rule_cache=cache, restored_times=0)
+    assert _rule_cache_note("ssd", warm) == ("ssd: the strategy rule started from 13 times measured on this machine "
+                                             "by earlier runs (/c/rule-x.json)")
+    assert _rule_cache_note("ssd", cold) == ("ssd: the strategy rule measured each plan anew (kept for the next "
+                                             "run: /c/rule-x.json)")
+    assert _rule_cache_note("ssd", SimpleNamespace(rule_cache=None, restored_times=0)) is None
+    assert _rule_cache_note("ar", object()) is None
