@@ -201,14 +201,14 @@ def test_frozen_steps_match_the_eager_runner_and_turn_live_when_a_weight_is_writ
     for runner in (eager, static):
         runner.prefill([0, 2], [[1, 2, 3, 4, 5], [9, 8]])
     slots = [2, 0]
-    for rows in ([[3], [4]], [[11, 12, 13], [14]], [[5], [6]], [[7]]):
-        num_new = [len(r) for r in rows]
+    for rows in ([[3], [4]], [[11, 12, 13], [14]], [[5], [6]]):  # two steps (t = 1, 4): each compile costs
+        num_new = [len(r) for r in rows]                             # ~30 s with a cold inductor cache
         _same_valid_logits(static.extend(slots[:len(rows)], rows), eager.extend(slots[:len(rows)], rows), num_new)
     steps = list(static.static.steps.values())
-    assert len(steps) == 3 and all(step.compiled is not None for step in steps)
+    assert len(steps) == 2 and all(step.compiled is not None for step in steps)
     # each step its own code object: dynamo would otherwise serve one step's graph (its frozen weights
-    # included) to another of a different bucket
-    assert len({type(step.compiled._orig_mod).forward.__code__ for step in steps}) == 3
+    # included) to another of another shape
+    assert len({type(step.compiled._orig_mod).forward.__code__ for step in steps}) == 2
     try:
         with torch.no_grad():
             tiny.layers[0].wo.mul_(1.5)

@@ -16,7 +16,7 @@ from rollout_ssd.metrics import EngineMetrics
 from rollout_ssd.ssd.chooser import Chooser, Plan
 from rollout_ssd.ssd.config import SSDConfig
 from rollout_ssd.ssd.estimates import EstimatesConfig, LiveEstimates, _BatchTimes
-from rollout_ssd.ssd.rule_cache import RuleCache, cache_directory
+from rollout_ssd.ssd.rule_cache import RuleCache, cache_directory, engine_key
 from tests.support.models import tiny_pair
 from tests.test_ssd_helpers import ssd_engine
 
@@ -116,6 +116,24 @@ def test_cache_file_round_trip_key_and_bad_files(tmp_path, caplog):
     blocked = tmp_path / "file"
     blocked.write_text("")
     assert not RuleCache(blocked / "rule", key).save(old)  # a file where the folder goes
+
+
+def test_key_holds_the_cpu_linear_kernels(pair48, monkeypatch):
+    """Turning the bf16 rows kernel off ($ROLLOUT_SSD_BF16_ROWS=0) changes every linear's cost on a bf16
+    CPU, so it changes the key (and the file): times measured with the kernel are not restored without it."""
+    from rollout_ssd.models import bf16_rows
+    from rollout_ssd.runner import ModelRunner
+    from rollout_ssd.ssd import rule_cache
+
+    target, draft = pair48
+    runner = ModelRunner(target.model, num_slots=2, max_len=32)
+    keys = []
+    for on in (True, False):
+        monkeypatch.setattr(bf16_rows, "available", lambda on=on: on)
+        keys.append(engine_key(runner, draft.model, SSDConfig()))
+    assert [k["cpu_kernels"]["bf16_rows"] for k in keys] == [True, False]
+    assert keys[0]["cpu_kernels"]["packed_bf16"] == rule_cache.packed_bf16()
+    assert RuleCache("d", keys[0]).path != RuleCache("d", keys[1]).path
 
 
 def test_cache_directory_setting(tmp_path, monkeypatch):

@@ -13,8 +13,9 @@ plans, AR's calibrations), so a cache from a slower or faster hour of a shared h
 workload, is corrected as the engine runs.
 
 The key is everything the times depend on: the CPU (model name, kind, cores), torch's threads, the
-device, the target's and draft's architecture and dtype, the SSD settings that shape a round, and the
-torch and package versions. Not the weights' values (an RL policy changes them every step; their
+device, the CPU linear kernels in use (the bf16 rows kernel, which $ROLLOUT_SSD_BF16_ROWS=0 turns off,
+and oneDNN's packed linear), the target's and draft's architecture and dtype, the SSD settings that
+shape a round, and the torch and package versions. Not the weights' values (an RL policy changes them every step; their
 shapes set the cost). A file with another key, a format it does not know, or bad values is ignored,
 with a warning: the cache can only save measuring rounds, never change what is generated (every plan
 is lossless; the cache moves only which plan runs first). Files are written whole (a temporary file
@@ -38,7 +39,8 @@ from typing import Optional, Union
 import torch
 
 import rollout_ssd
-from rollout_ssd.models.cpu_backend import cpu_kind, cpu_model
+from rollout_ssd.models import bf16_rows
+from rollout_ssd.models.cpu_backend import cpu_kind, cpu_model, packed_bf16
 from rollout_ssd.models.decoder import Decoder
 from rollout_ssd.runner import ModelRunner
 from rollout_ssd.ssd.chooser import Chooser
@@ -72,6 +74,8 @@ def engine_key(runner: ModelRunner, draft: Decoder, config) -> dict:
     settings = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in UNKEYED}
     return {"format": FORMAT, "rollout_ssd": rollout_ssd.__version__, "torch": torch.__version__,
             "device": f"{device.type}: {where}", "cores": cores, "threads": torch.get_num_threads(),
+            "cpu_kernels": None if device.type != "cpu" else {"bf16_rows": bf16_rows.available(),
+                                                              "packed_bf16": packed_bf16()},
             "target": _model_key(target), "draft": _model_key(draft),
             "static_steps": None if static is None else [static.graphs, str(static.compiled), static.pad_t],
             "ssd": _plain(settings)}
