@@ -57,6 +57,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# --cpu-smoke times only to check the script's logic and output (tiny shapes; in CI also with Triton
+# interpreted, where every timed call runs the kernels in Python): one call after the warm-up
+SMOKE_REPEATS = 1
+
+
 def timed_ms(fn, device: torch.device, repeats: int) -> float:
     """Median milliseconds of fn() over `repeats` calls after one warm-up."""
     fn()
@@ -232,7 +237,7 @@ def part_steps(device: torch.device, smoke: bool, k: int, env: dict) -> dict:
         floor_ms = weight_bytes / (env["copy_gb_s"] / 2 * 1e9) * 1e3  # read-only bandwidth ~ half a copy's traffic
         rows = {}
         for b in ((1, 4) if smoke else (1, 16, 64)):
-            rows.update(time_batch(model, b, k, 32 if smoke else 512, device, 5 if smoke else 20))
+            rows.update(time_batch(model, b, k, 32 if smoke else 512, device, SMOKE_REPEATS if smoke else 20))
         out[shape] = {"weight_gb": weight_bytes / 1e9, "floor_ms": floor_ms, "steps": rows,
                       "b1_graphed_over_floor": rows["b1_t1"]["graphed_ms"] / floor_ms}
         del model
@@ -320,7 +325,7 @@ def part_attention(device: torch.device, smoke: bool, k: int) -> dict:
             for name, backend in backends.items():
                 run = functools.partial(one_attention, backend, q, kc, vc, layout, heads[2] ** -0.5)
                 row[f"{name}_err"] = (run().double() - expected).abs().max().item()
-                row[f"{name}_ms"] = timed_ms(run, device, 5 if smoke else 20)
+                row[f"{name}_ms"] = timed_ms(run, device, SMOKE_REPEATS if smoke else 20)
             if "triton" in backends:
                 row["triton_within_2x_sdpa"] = row["triton_err"] <= 2 * row["sdpa_err"] + torch.finfo(dtype).eps / 8
             out[f"{kind}_b{b}"] = row
