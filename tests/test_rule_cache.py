@@ -118,21 +118,26 @@ def test_cache_file_round_trip_key_and_bad_files(tmp_path, caplog):
     assert not RuleCache(blocked / "rule", key).save(old)  # a file where the folder goes
 
 
-def test_key_holds_the_cpu_linear_kernels(pair48, monkeypatch):
-    """Turning the bf16 rows kernel off ($ROLLOUT_SSD_BF16_ROWS=0) changes every linear's cost on a bf16
-    CPU, so it changes the key (and the file): times measured with the kernel are not restored without it."""
+def test_key_holds_the_cpu_linear_kernels(tmp_path, monkeypatch):
+    """Turning the bf16 rows kernel off ($ROLLOUT_SSD_BF16_ROWS=0) changes every linear's cost of a bf16
+    CPU model, so it changes the key (and the file): times measured with the kernel are not restored
+    without it. A float32 model's linears never run it: its part of the key is the same either way."""
     from rollout_ssd.models import bf16_rows
+    from rollout_ssd.models.loader import load_pretrained
     from rollout_ssd.runner import ModelRunner
     from rollout_ssd.ssd import rule_cache
 
-    target, draft = pair48
-    runner = ModelRunner(target.model, num_slots=2, max_len=32)
+    tiny_pair(tmp_path, vocab=48)
+    target = load_pretrained(str(tmp_path / "target"), dtype="bfloat16").model
+    draft = load_pretrained(str(tmp_path / "draft"), dtype="float32").model
+    runner = ModelRunner(target, num_slots=2, max_len=32)
     keys = []
     for on in (True, False):
         monkeypatch.setattr(bf16_rows, "available", lambda on=on: on)
-        keys.append(engine_key(runner, draft.model, SSDConfig()))
-    assert [k["cpu_kernels"]["bf16_rows"] for k in keys] == [True, False]
-    assert keys[0]["cpu_kernels"]["packed_bf16"] == rule_cache.packed_bf16()
+        keys.append(engine_key(runner, draft, SSDConfig()))
+    assert [k["target"]["cpu_kernels"]["bf16_rows"] for k in keys] == [True, False]
+    assert keys[0]["target"]["cpu_kernels"]["packed_bf16"] == rule_cache.packed_bf16()
+    assert keys[0]["draft"] == keys[1]["draft"] and keys[0]["draft"]["cpu_kernels"] is None
     assert RuleCache("d", keys[0]).path != RuleCache("d", keys[1]).path
 
 

@@ -13,13 +13,14 @@ plans, AR's calibrations), so a cache from a slower or faster hour of a shared h
 workload, is corrected as the engine runs.
 
 The key is everything the times depend on: the CPU (model name, kind, cores), torch's threads, the
-device, the CPU linear kernels in use (the bf16 rows kernel, which $ROLLOUT_SSD_BF16_ROWS=0 turns off,
-and oneDNN's packed linear), the target's and draft's architecture and dtype, the SSD settings that
-shape a round, and the torch and package versions. Not the weights' values (an RL policy changes them every step; their
-shapes set the cost). A file with another key, a format it does not know, or bad values is ignored,
-with a warning: the cache can only save measuring rounds, never change what is generated (every plan
-is lossless; the cache moves only which plan runs first). Files are written whole (a temporary file
-renamed over the old one), so concurrent engines on one machine never read half a file.
+device, the target's and draft's architecture and dtype (and for a bf16 CPU model the linear kernels it
+runs on: the bf16 rows kernel, which $ROLLOUT_SSD_BF16_ROWS=0 turns off, and oneDNN's packed linear),
+the SSD settings that shape a round, and the torch and package versions. Not the weights' values (an RL
+policy changes them every step; their shapes set the cost). A file with another key, a format it does
+not know, or bad values is ignored, with a warning: the cache can only save measuring rounds, never
+change what is generated (every plan is lossless; the cache moves only which plan runs first). Files are
+written whole (a temporary file renamed over the old one), so concurrent engines on one machine never
+read half a file.
 
 Where: SpecConfig.rule_cache (True: $ROLLOUT_SSD_CACHE/rule, default ~/.cache/rollout_ssd/rule;
 $ROLLOUT_SSD_RULE_CACHE=0 turns that off; a path: that directory; False: off).
@@ -74,8 +75,6 @@ def engine_key(runner: ModelRunner, draft: Decoder, config) -> dict:
     settings = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in UNKEYED}
     return {"format": FORMAT, "rollout_ssd": rollout_ssd.__version__, "torch": torch.__version__,
             "device": f"{device.type}: {where}", "cores": cores, "threads": torch.get_num_threads(),
-            "cpu_kernels": None if device.type != "cpu" else {"bf16_rows": bf16_rows.available(),
-                                                              "packed_bf16": packed_bf16()},
             "target": _model_key(target), "draft": _model_key(draft),
             "static_steps": None if static is None else [static.graphs, str(static.compiled), static.pad_t],
             "ssd": _plain(settings)}
@@ -88,7 +87,16 @@ def _plain(value):
 
 def _model_key(model: Decoder) -> dict:
     return {"config": _plain(dataclasses.asdict(model.cfg)), "dtype": str(model.dtype),
-            "attention": type(model.backend).__name__}
+            "attention": type(model.backend).__name__, "cpu_kernels": _cpu_kernels(model)}
+
+
+def _cpu_kernels(model: Decoder) -> Optional[dict]:
+    """Which kernels a bf16 CPU model's linears run on (cpu_backend.packed_linear: the bf16 rows kernel,
+    oneDNN's packed linear), or None for the models they never serve (float32, a GPU's): a float32
+    engine's key neither asks for the kernel (its build) nor changes when it is turned off."""
+    if model.dtype != torch.bfloat16 or not model.embed.is_cpu:
+        return None
+    return {"bf16_rows": bf16_rows.available(), "packed_bf16": packed_bf16()}
 
 
 class RuleCache:
