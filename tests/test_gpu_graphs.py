@@ -270,8 +270,6 @@ def test_live_bf16_steps_follow_weight_writes(tmp_path, monkeypatch, kernel):
     `rollout_ssd::packed_linear` over oneDNN's copies. bf16 tolerance: the paths round differently (fused
     norms, another summation order), within 5% of the logits' range here; the writes move the eager
     logits by more than four times that, so stale weights or copies would fail it."""
-    from transformers import LlamaForCausalLM
-
     from rollout_ssd.models import bf16_rows, cpu_backend
 
     if not cpu_backend.packed_bf16():
@@ -279,22 +277,8 @@ def test_live_bf16_steps_follow_weight_writes(tmp_path, monkeypatch, kernel):
     if kernel == "bf16 rows" and not bf16_rows.available():
         pytest.skip("the bf16 rows kernel does not run here")
     monkeypatch.setattr(bf16_rows, "_ON", kernel == "bf16 rows")
-    model = LlamaForCausalLM(hf_config("llama-gqa-untied"))
-    randomize(model, seed=3)
-    model.save_pretrained(tmp_path)
-    bf16 = load_pretrained(str(tmp_path), dtype="bfloat16").model
-    eager = ModelRunner(bf16, num_slots=3, max_len=32)
-    live = ModelRunner(bf16, num_slots=3, max_len=32)
-    live.use_static_steps(buckets=(1, 2), compiled="live", pad_t=4)
-    for runner in (eager, live):
-        runner.prefill([0, 2], [[1, 2, 3, 4, 5], [9, 8]])
-
-    def step(runner, slots, rows):
-        out = runner.extend(slots, rows, last_only=True).float()
-        for s, row in zip(slots, rows):
-            runner.rollback(s, runner.length(s) - len(row))
-        return out
-
+    bf16, eager, live = _bf16_runners(tmp_path, "live")
+    step = _bf16_step
     batches = [([2], [[3]]), ([2, 0], [[4], [5]]), ([2, 0], [[6, 7], [8]])]
     before = [step(eager, slots, rows) for slots, rows in batches]
     tol = 0.05 * max(float(b.max() - b.min()) for b in before)
@@ -312,6 +296,57 @@ def test_live_bf16_steps_follow_weight_writes(tmp_path, monkeypatch, kernel):
         assert (step(live, slots, rows) - want).abs().max() <= tol
     assert _graphs_per_step(live.static.steps) == graphs
     assert {key.rows for key in graphs} == {1, 2}
+
+
+def _bf16_runners(directory, compiled: str):
+    """A tiny bf16 Llama, an eager runner and one with compiled steps (buckets 1 and 2, verify rows padded
+    to 4 tokens), both with the same two prompts prefilled: (model, eager, compiled)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(hf_config("llama-gqa-untied"))
+    randomize(model, seed=3)
+    model.save_pretrained(directory)
+    bf16 = load_pretrained(str(directory), dtype="bfloat16").model
+    eager = ModelRunner(bf16, num_slots=3, max_len=32)
+    static = ModelRunner(bf16, num_slots=3, max_len=32)
+    static.use_static_steps(buckets=(1, 2), compiled=compiled, pad_t=4)
+    for runner in (eager, static):
+        runner.prefill([0, 2], [[1, 2, 3, 4, 5], [9, 8]])
+    return bf16, eager, static
+
+
+def _bf16_step(runner, slots, rows):
+    """The last position's float32 logits of `rows` appended to `slots`, then rolled back."""
+    out = runner.extend(slots, rows, last_only=True).float()
+    for s, row in zip(slots, rows):
+        runner.rollback(s, runner.length(s) - len(row))
+    return out
+
+
+@needs_cxx
+def test_frozen_bf16_steps_run_the_rows_kernel_where_it_runs(tmp_path, monkeypatch):
+    """Where the bf16 rows kernel runs, frozen compiled steps of a bf16 model call it for every linear
+    (its packed copies folded into the graph) rather than inductor's own bf16 GEMMs, which are slower at
+    a step's few rows (bench/RESULTS.md, "a fourth CPU kind"): 9 kernel calls per step of the 2-layer
+    model (4 linears a layer and the head) at 1 row and at a 2 x 4-token verify, and logits within the
+    live test's bf16 bound of the eager runner's."""
+    from rollout_ssd.models import bf16_rows
+
+    if not bf16_rows.available():
+        pytest.skip("the bf16 rows kernel does not run here (frozen bf16 steps use inductor's GEMMs)")
+    _, eager, frozen = _bf16_runners(tmp_path, "frozen")
+    batches = [([2], [[3]]), ([2, 0], [[6, 7], [8]])]
+    want = [_bf16_step(eager, slots, rows) for slots, rows in batches]
+    tol = 0.05 * max(float(w.max() - w.min()) for w in want)
+    calls = []
+    kernel = bf16_rows.linear
+    monkeypatch.setattr(bf16_rows, "linear", lambda *args: calls.append(1) or kernel(*args))
+    for (slots, rows), expected in zip(batches, want):
+        _bf16_step(frozen, slots, rows)  # the compile, on the first call
+        calls.clear()
+        assert (_bf16_step(frozen, slots, rows) - expected).abs().max() <= tol
+        assert len(calls) == 9
+    assert all(step.mode == "frozen" and step.compiled is not None for step in frozen.static.steps.values())
 
 
 @needs_cxx

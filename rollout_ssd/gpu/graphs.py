@@ -15,8 +15,9 @@ eagerly, which is how its results are tested against `Decoder.forward`, or, with
 (EngineConfig.compile), as one inductor graph per step: there the per-op cost of ~120 small calls per
 eager step goes, and attention reads only the used cache length (the one dynamic size). Two kinds:
 - "frozen": the weights folded into the graph as constants, packed by inductor, the batch-1 GEMMs on
-  its C++ templates where they measure faster: the fastest step, for fixed weights. A write to any
-  weight turns the frozen steps into live ones (compiled anew, once);
+  its C++ templates where they measure faster (a bf16 model's linears of at most BF16_ROWS_MAX_ROWS rows
+  on the bf16 rows kernel where it runs, over its copies, folded in too): the fastest step, for fixed
+  weights. A write to any weight turns the frozen steps into live ones (compiled anew, once);
 - "live": the weights stay the graph's inputs, so a step follows every update (RL) with no recompile;
   bf16 linears run cpu_backend's kernels (the bf16 rows kernel, oneDNN's packed linear) as ops over
   copies `cpu_backend.pack_live` repacks after a write, a one-row linear as a reduction inductor fuses
@@ -96,7 +97,7 @@ class StaticStep:
         self.compiled = None  # `forward` compiled by inductor (CPU: `compile`)
         self.mode: Optional[str] = None  # "frozen" | "live": how the compiled step holds the weights
         self._modules: list = []  # a live step's model modules, listed once (`weights_key`)
-        self._packed_for: Optional[tuple] = None  # the weights a live step's packed copies were last made for
+        self._packed_for: Optional[tuple] = None  # the weights a live step's packed copies were made for; frozen: ()
         self.ran = False  # whether `run` has completed once (a compiled step's compile is in its first run)
 
     def load(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], starts: Sequence[int]) -> None:
@@ -166,7 +167,8 @@ class StaticStep:
     def compile(self, mode: str = "frozen") -> None:
         """Compile `forward` with inductor (CPU) as one graph (`compile_options`); the compile itself
         runs on the first `run`. mode "frozen": the weights folded in as constants and packed once, the
-        matmuls on inductor's C++ GEMM templates where they measure faster; the graph holds its own copies
+        matmuls on inductor's C++ GEMM templates where they measure faster (a bf16 model's few-row linears
+        on the bf16 rows kernel where it runs, over `pack_live`'s copies); the graph holds its own copies
         of the weights, so `GraphedSteps` drops it once any weight is written. mode "live": the weights
         are read on every call (the bf16 linears through `cpu_backend.pack_live`'s copies).
         Each step compiles its own copy of the module's code: dynamo keeps its graphs per code object and
@@ -203,6 +205,9 @@ class StaticStep:
                     if key != self._packed_for:
                         pack_live(self.model)
                         self._packed_for = key
+                elif self._packed_for is None:  # frozen: the rows kernel's copies listed before the trace reads them
+                    pack_live(self.model)
+                    self._packed_for = ()
                 with torch._inductor.config.patch(compile_options(self.t, self.mode)), live_steps(live):
                     return self.compiled(read, self.tokens, self.positions, self.slot, self.cache.keys,
                                          self.cache.values)

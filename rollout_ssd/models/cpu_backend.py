@@ -205,17 +205,20 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: 
     rows kernel over its packed copy at 1..BF16_ROWS_MAX_ROWS rows where it runs, else oneDNN over its
     packed copy), or None where neither applies (other dtypes, devices, training, more than
     PACKED_BF16_MAX_ROWS rows). Inside a compiled step: the same kernels, as ops over the copies
-    `pack_live` made, where the step is a live one (`live_steps`), else None (a frozen step's F.linear,
-    which inductor packs itself)."""
+    `pack_live` made. A frozen step takes only the rows kernel (its copy folded into the graph; inductor's
+    own bf16 GEMMs are slower at these row counts) and otherwise None (F.linear, which inductor packs
+    itself); a live one (`live_steps`) also oneDNN's op, or a one-row reduction."""
     m = x.numel() // x.shape[-1]
     if torch.compiler.is_compiling():
-        if not _LIVE or m > PACKED_BF16_MAX_ROWS:
+        if m > PACKED_BF16_MAX_ROWS:
             return None
         x2 = x.reshape(m, x.shape[-1])
         rows = copies.live.get(name + ":rows") if m <= BF16_ROWS_MAX_ROWS else None  # made where the kernel runs
-        packed = copies.live.get(name)
+        packed = copies.live.get(name) if _LIVE else None
         if rows is not None:
             out = torch.ops.rollout_ssd.bf16_rows(x2, rows, bias, w.shape[0])
+        elif not _LIVE:
+            return None
         elif m == 1 and w.dtype == torch.bfloat16:  # one row: a reduction inductor streams the weight through
             out = (w.float() * x2.float()).sum(-1)
             out = (out if bias is None else out + bias.float()).to(x.dtype)
