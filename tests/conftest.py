@@ -15,6 +15,9 @@ torch.set_num_threads(1)
 # engines (and the servers and actors tests start) measure anew: one test's strategy-rule cache must
 # not steer another's plans (tests/test_rule_cache.py names a directory of its own)
 os.environ["ROLLOUT_SSD_RULE_CACHE"] = "0"
+# compiled steps do not autotune their one-token GEMMs: each compile is shorter (a fresh CI machine compiles
+# every shape anew); tests/test_gpu_graphs.py's frozen-steps test turns it on for the autotuned steps
+os.environ["ROLLOUT_SSD_AUTOTUNE"] = "0"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -190,11 +190,13 @@ def test_padded_verify_rows_run_as_one_step_and_match_the_eager_runner(tiny):
 
 
 @needs_cxx
-def test_frozen_steps_match_the_eager_runner_and_turn_live_when_a_weight_is_written(tiny):
-    """EngineConfig.compile's frozen steps (inductor, weights folded in): decode and padded verify logits
-    equal the eager forward's within float32 reordering error, over several steps (the K/V cache is
-    written and read as data, not frozen). A write to one weight (an update) drops the frozen steps,
-    whose copies would be stale: live steps replace them and follow the new weights."""
+def test_frozen_steps_match_the_eager_runner_and_turn_live_when_a_weight_is_written(tiny, monkeypatch):
+    """EngineConfig.compile's frozen steps (inductor, weights folded in; the decode step's GEMMs autotuned
+    as by default, which the rest of the suite turns off): decode and padded verify logits equal the eager
+    forward's within float32 reordering error, over several steps (the K/V cache is written and read as
+    data, not frozen). A write to one weight (an update) drops the frozen steps, whose copies would be
+    stale: live steps replace them and follow the new weights."""
+    monkeypatch.setenv("ROLLOUT_SSD_AUTOTUNE", "1")
     eager = ModelRunner(tiny, num_slots=3, max_len=32)
     static = ModelRunner(tiny, num_slots=3, max_len=32)
     static.use_static_steps(buckets=(1, 2, 4), compiled=True, pad_t=4)
@@ -296,6 +298,16 @@ def test_live_bf16_steps_follow_weight_writes(tmp_path, monkeypatch, kernel):
         assert (step(live, slots, rows) - want).abs().max() <= tol
     assert _graphs_per_step(live.static.steps) == graphs
     assert {key.rows for key in graphs} == {1, 2}
+
+
+def test_only_frozen_one_token_steps_autotune_and_the_switch_turns_it_off(monkeypatch):
+    from rollout_ssd.gpu.graphs import compile_options
+
+    monkeypatch.delenv("ROLLOUT_SSD_AUTOTUNE")
+    assert compile_options(1)["max_autotune"] and compile_options(1)["freezing"]
+    assert not compile_options(4)["max_autotune"] and not compile_options(1, "live")["max_autotune"]
+    monkeypatch.setenv("ROLLOUT_SSD_AUTOTUNE", "0")
+    assert compile_options(1) == {"freezing": True, "max_autotune": False}
 
 
 def _bf16_runners(directory, compiled: str):

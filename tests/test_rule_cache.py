@@ -141,6 +141,27 @@ def test_key_holds_the_cpu_linear_kernels(tmp_path, monkeypatch):
     assert RuleCache("d", keys[0]).path != RuleCache("d", keys[1]).path
 
 
+def test_key_holds_whether_compiled_steps_autotune(tmp_path, monkeypatch):
+    """Compiled steps that autotune their GEMMs run at another speed than ones that do not
+    ($ROLLOUT_SSD_AUTOTUNE=0), so the switch is in a compiled engine's key; an eager engine's key holds
+    no such steps and does not change with it."""
+    from rollout_ssd.models.loader import load_pretrained
+    from rollout_ssd.runner import ModelRunner
+
+    tiny_pair(tmp_path, vocab=48)
+    target = load_pretrained(str(tmp_path / "target"), dtype="float32").model
+    draft = load_pretrained(str(tmp_path / "draft"), dtype="float32").model
+    eager, compiled = (ModelRunner(target, num_slots=2, max_len=32) for _ in range(2))
+    compiled.use_static_steps(buckets=(1, 2), compiled="frozen", pad_t=4)  # compiles nothing until a step runs
+    keys = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("ROLLOUT_SSD_AUTOTUNE", switch)
+        keys[switch] = [engine_key(runner, draft, SSDConfig()) for runner in (eager, compiled)]
+    assert keys["1"][0] == keys["0"][0] and keys["1"][0]["static_steps"] is None
+    assert keys["1"][1]["static_steps"][-1] is True and keys["0"][1]["static_steps"][-1] is False
+    assert RuleCache("d", keys["1"][1]).path != RuleCache("d", keys["0"][1]).path
+
+
 def test_cache_directory_setting(tmp_path, monkeypatch):
     monkeypatch.setenv("ROLLOUT_SSD_CACHE", str(tmp_path))
     monkeypatch.setenv("ROLLOUT_SSD_RULE_CACHE", "1")

@@ -34,6 +34,7 @@ short contexts). Under the Triton backend (EngineConfig.attention) each query re
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import types
 from dataclasses import dataclass
@@ -220,17 +221,25 @@ class StaticStep:
 _COMPILED = threading.RLock()
 
 
+def autotune() -> bool:
+    """Whether frozen one-token steps autotune their GEMMs (`compile_options`): yes unless
+    $ROLLOUT_SSD_AUTOTUNE is "0", which makes each compile shorter and leaves those GEMMs on ATen's
+    kernels (the test suite turns it off, tests/conftest.py, but for the test of the autotuned steps)."""
+    return os.environ.get("ROLLOUT_SSD_AUTOTUNE", "1") != "0"
+
+
 def compile_options(t: int, mode: str = "frozen") -> dict:
     """inductor's options for a compiled CPU step of t tokens per row. Frozen: the weights constant-
     folded and packed once; for one token (decode) the GEMMs are also autotuned between ATen's (oneDNN)
-    and inductor's C++ templates, which win there; a verify's few rows run faster on oneDNN's packed
-    kernels than on the templates, autotuning or not (bench/probe_compiled_step.py, bench/RESULTS.md).
+    and inductor's C++ templates, which win there (`autotune`); a verify's few rows run faster on
+    oneDNN's packed kernels than on the templates, autotuning or not (bench/probe_compiled_step.py,
+    bench/RESULTS.md).
     Live: no freezing (the weights stay inputs) and no autotuning (the templates need frozen weights);
     a producer of more than 4 ops (an RMS norm, an embedding lookup) is computed once into a buffer where
     inductor would otherwise inline it into the one-row linears' reduction loops, once per output row."""
     if mode == "live":
         return {"freezing": False, "max_autotune": False, "realize_opcount_threshold": 4}
-    if t == 1:
+    if t == 1 and autotune():
         return {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
     return {"freezing": True, "max_autotune": False}
 
