@@ -167,11 +167,10 @@ class StaticStep:
 
     def compile(self, mode: str = "frozen") -> None:
         """Compile `forward` with inductor (CPU) as one graph (`compile_options`); the compile itself
-        runs on the first `run`. mode "frozen": the weights folded in as constants and packed once, the
-        matmuls on inductor's C++ GEMM templates where they measure faster (a bf16 model's few-row linears
-        on the bf16 rows kernel where it runs, over `pack_live`'s copies); the graph holds its own copies
-        of the weights, so `GraphedSteps` drops it once any weight is written. mode "live": the weights
-        are read on every call (the bf16 linears through `cpu_backend.pack_live`'s copies).
+        runs on the first `run`. mode "frozen": the weights folded in as constants (module docstring);
+        the graph holds its own copies of the weights, so `GraphedSteps` drops it once any weight is
+        written. mode "live": the weights are read on every call (the bf16 linears through
+        `cpu_backend.pack_live`'s copies).
         Each step compiles its own copy of the module's code: dynamo keeps its graphs per code object and
         guards a frozen weight by identity, not content, so a step sharing the code would reuse another
         step's graph (a dynamic row count serves every bucket), stale weights included, and keep it alive."""
@@ -201,14 +200,12 @@ class StaticStep:
             # unfrozen, no faster than eager
             live = self.mode == "live"
             with _COMPILED:
-                if live:  # packed copies remade where a weight was written since (the key: 3x cheaper to check)
-                    key = weights_key(self._modules)
-                    if key != self._packed_for:
-                        pack_live(self.model)
-                        self._packed_for = key
-                elif self._packed_for is None:  # frozen: the rows kernel's copies listed before the trace reads them
+                # packed copies remade where a weight was written since (the key: 3x cheaper to check);
+                # frozen: the rows kernel's copies listed once, before the trace reads them
+                key = weights_key(self._modules) if live else ()
+                if key != self._packed_for:
                     pack_live(self.model)
-                    self._packed_for = ()
+                    self._packed_for = key
                 with torch._inductor.config.patch(compile_options(self.t, self.mode)), live_steps(live):
                     return self.compiled(read, self.tokens, self.positions, self.slot, self.cache.keys,
                                          self.cache.values)
@@ -222,9 +219,8 @@ _COMPILED = threading.RLock()
 
 
 def autotune() -> bool:
-    """Whether frozen one-token steps autotune their GEMMs (`compile_options`): yes unless
-    $ROLLOUT_SSD_AUTOTUNE is "0", which makes each compile shorter and leaves those GEMMs on ATen's
-    kernels (the test suite turns it off, tests/conftest.py, but for the test of the autotuned steps)."""
+    """Whether frozen one-token steps autotune their GEMMs: unless $ROLLOUT_SSD_AUTOTUNE is "0" (shorter
+    compiles, ATen's GEMMs; the test suite's setting, tests/conftest.py)."""
     return os.environ.get("ROLLOUT_SSD_AUTOTUNE", "1") != "0"
 
 
