@@ -37,8 +37,16 @@ def full_logprobs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tens
 
     logits: [N, V]; temperature: [N]. Returns float32 [N, V].
     """
-    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(logits.device, torch.float32)
-    return torch.log_softmax(logits.float() / temp[:, None], dim=-1)
+    scaled = logits.float()
+    if not _unit_temperatures(temperature):  # x / 1 is x exactly: only other temperatures divide
+        temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(logits.device, torch.float32)
+        scaled = scaled / temp[:, None]
+    return torch.log_softmax(scaled, dim=-1)
+
+
+def _unit_temperatures(temperature: torch.Tensor) -> bool:
+    """Whether every row's logits are divided by 1: greedy rows (T <= 0, scaled as T = 1) and T = 1 ones."""
+    return bool(((temperature <= 0) | (temperature == 1)).all())
 
 
 TRUNCATION_CANDIDATES = 1024  # tokens examined before falling back to a full-vocabulary sort
@@ -109,9 +117,11 @@ def target_probs(
     dev = logits.device
     logits = logits.float()
     greedy = temperature <= 0
+    if bool(greedy.all()):  # every row a point mass: no softmax to compute and discard
+        return torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
     needs_trunc = (~greedy) & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).to(dev, torch.float32)
-    scaled = logits / temp[:, None]
+    scaled = logits if _unit_temperatures(temperature) else logits / temp[:, None]
     if bool(needs_trunc.any()):
         rows = needs_trunc.nonzero()[:, 0].to(dev)
         k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).to(dev)

@@ -133,6 +133,25 @@ def test_mixed_batch_equals_rows_alone(seed):
         assert torch.equal(fresh.get_state(), gens[b].get_state())
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_target_probs_and_logprobs_shortcuts_equal_the_general_path(temperature):
+    """An all-greedy batch (no softmax computed) and one at T = 1 only (no division) give bitwise what the
+    same rows give beside a row at another temperature, which takes the general path; ties in a greedy
+    row go to the lowest index either way."""
+    from rollout_ssd.sampling import full_logprobs
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(7)) * 3
+    logits[1, 10] = logits[1, 30] = logits[1].max() + 1.0  # a tie for the largest logit
+    alone = torch.full((4,), temperature)
+    beside = torch.cat([alone, torch.tensor([0.7])])
+    wide = torch.cat([logits, logits[:1]])
+    k, p = torch.zeros(5, dtype=torch.int64), torch.ones(5)
+    assert torch.equal(target_probs(logits, alone, k[:4], p[:4]), target_probs(wide, beside, k, p)[:4])
+    assert torch.equal(full_logprobs(logits, alone), full_logprobs(wide, beside)[:4])
+    if temperature == 0.0:
+        assert int(target_probs(logits, alone, k[:4], p[:4])[1].argmax()) == 10
+
+
 def test_logprobs_are_full_log_softmax_at_emitted_tokens():
     logits, tokens, num_draft, rows, (temp, top_k, top_p) = _mixed_rows(99)
     res = verify(logits, tokens, num_draft, MixedDraft(rows), temp, top_k, top_p,

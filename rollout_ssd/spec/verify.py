@@ -253,13 +253,17 @@ def verify(
     greedy = (temperature <= 0).tolist()
 
     flat_logits = target_logits.reshape(batch * k1, vocab)
-    # the parameters stay where the caller made them (the host): target_probs moves what it computes with
-    p = target_probs(
-        flat_logits, temperature.repeat_interleave(k1), top_k.repeat_interleave(k1), top_p.repeat_interleave(k1)
-    ).view(batch, k1, vocab)  # p_i, [B, K+1, V]
     tokens_in = draft_tokens.to(device).clamp(0, vocab - 1)  # [B, Kmax], padding made a valid index
-    p_at = p[:, :kmax].gather(2, tokens_in[..., None]).squeeze(2)  # p_i(s_i), [B, Kmax]
-    q_at = q.token_probs(tokens_in).to(device)  # q_i(s_i), [B, Kmax]
+    if all(greedy):  # every row judged by its argmax alone (below): no law to build
+        p, p_at = None, torch.zeros(batch, kmax, device=device)
+        q_at = p_at
+    else:
+        # the parameters stay where the caller made them (the host): target_probs moves what it computes with
+        p = target_probs(
+            flat_logits, temperature.repeat_interleave(k1), top_k.repeat_interleave(k1), top_p.repeat_interleave(k1)
+        ).view(batch, k1, vocab)  # p_i, [B, K+1, V]
+        p_at = p[:, :kmax].gather(2, tokens_in[..., None]).squeeze(2)  # p_i(s_i), [B, Kmax]
+        q_at = q.token_probs(tokens_in).to(device)  # q_i(s_i), [B, Kmax]
     argmax = target_logits.argmax(dim=-1)  # [B, K+1]; torch returns the first index on ties
 
     # Greedy rows, vectorised: accepted = length of the prefix where s_i == argmax_i.
