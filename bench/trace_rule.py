@@ -1,7 +1,8 @@
 """The SSD strategy rule round by round, on the default pair: what it ran, why, and what it cost.
 
-One SSD engine (rule on, draft worker on its own core), `--repeats` sample() calls of `--batch` unseen
-prompts, one thread per process as in bench_ssd.py. Each round's record (`SSDDecode.trace`): batch
+One SSD engine (rule on, draft worker on its own core), `--repeats` sample() calls of `--batch` prompts
+(`--prompt-set`, default `unseen`; `--distinct`: each call takes the next `--batch` prompts instead of
+the same ones), one thread per process as in bench_ssd.py. Each round's record (`SSDDecode.trace`): batch
 size, the strategy run, whether every sequence was on its first round (cold), the tokens emitted, the
 round's wall time and its verify (or AR step) time, the target's wait for the draft side, the AR
 calibration time, where each chain came from, and the scores the rule last published (expected batch
@@ -37,20 +38,25 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="batch 4, 12 tokens, 1 call")
     p.add_argument("--dtype", default="float32", help='the pair\'s dtype ("auto": the engine\'s default)')
     p.add_argument("--threads", type=int, default=1, help="intra-op threads (0: torch's default, the engine's)")
+    p.add_argument("--prompt-set", choices=("templates", "unseen"), default="unseen")
+    p.add_argument("--distinct", action="store_true", help="each call on the next --batch prompts of the set")
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.new_tokens, args.repeats = 4, 12, 1
     if args.threads:
         torch.set_num_threads(args.threads)
     target, draft = load_default_pair(dtype=args.dtype)
-    prompts = bench_prompts(target.tokenizer, "unseen", args.batch)
-    cfg = EngineConfig(max_batch_size=args.batch, max_model_len=max(map(len, prompts)) + args.new_tokens + 8)
+    calls = args.repeats if args.distinct else 1
+    pool = bench_prompts(target.tokenizer, args.prompt_set, args.batch * calls)
+    per_call = [pool[i * args.batch:(i + 1) * args.batch] for i in range(calls)]
+    cfg = EngineConfig(max_batch_size=args.batch, max_model_len=max(map(len, pool)) + args.new_tokens + 8)
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
     ar = RolloutEngine(target, SpecConfig(method="ar"), cfg)
     rows, summary = [], {}
     with RolloutEngine(target, SpecConfig(method="ssd", k=args.k), cfg, draft=draft) as ssd:
         ar.metrics(reset=True)
         for call in range(args.repeats):
+            prompts = per_call[call % calls]
             ar.sample(prompts, params)
             m = ar.metrics(reset=True)  # decode only: the prefill and the token it gives left out, as below
             add(summary, "AR engine", args.new_tokens - 1, 0.0, m["rollout/seconds"] - m["rollout/prefill_seconds"],
