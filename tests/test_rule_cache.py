@@ -142,22 +142,24 @@ def test_key_holds_the_cpu_linear_kernels(tmp_path, monkeypatch):
 
 
 def test_key_holds_whether_compiled_steps_autotune(tmp_path, monkeypatch):
-    """Compiled steps that autotune their GEMMs run at another speed than ones that do not
-    ($ROLLOUT_SSD_AUTOTUNE=0), so the switch is in a compiled engine's key; an eager engine's key holds
-    no such steps and does not change with it."""
+    """Frozen compiled steps that autotune their GEMMs run at another speed than ones that do not
+    ($ROLLOUT_SSD_AUTOTUNE=0), so the switch is in a frozen engine's key; an eager engine's key holds
+    no such steps, and a live engine's (whose steps never autotune) does not change with it."""
     from rollout_ssd.models.loader import load_pretrained
     from rollout_ssd.runner import ModelRunner
 
     tiny_pair(tmp_path, vocab=48)
     target = load_pretrained(str(tmp_path / "target"), dtype="float32").model
     draft = load_pretrained(str(tmp_path / "draft"), dtype="float32").model
-    eager, compiled = (ModelRunner(target, num_slots=2, max_len=32) for _ in range(2))
+    eager, compiled, live = (ModelRunner(target, num_slots=2, max_len=32) for _ in range(3))
     compiled.use_static_steps(buckets=(1, 2), compiled="frozen", pad_t=4)  # compiles nothing until a step runs
+    live.use_static_steps(buckets=(1, 2), compiled="live", pad_t=4)
     keys = {}
     for switch in ("1", "0"):
         monkeypatch.setenv("ROLLOUT_SSD_AUTOTUNE", switch)
-        keys[switch] = [engine_key(runner, draft, SSDConfig()) for runner in (eager, compiled)]
+        keys[switch] = [engine_key(runner, draft, SSDConfig()) for runner in (eager, compiled, live)]
     assert keys["1"][0] == keys["0"][0] and keys["1"][0]["static_steps"] is None
+    assert keys["1"][2] == keys["0"][2]
     assert keys["1"][1]["static_steps"][-1] is True and keys["0"][1]["static_steps"][-1] is False
     assert RuleCache("d", keys["1"][1]).path != RuleCache("d", keys["0"][1]).path
 

@@ -15,7 +15,7 @@ workload, is corrected as the engine runs.
 The key is everything the times depend on: the CPU (model name, kind, cores), torch's threads, the
 device, the target's and draft's architecture and dtype (and for a bf16 CPU model the linear kernels it
 runs on: the bf16 rows kernel, which $ROLLOUT_SSD_BF16_ROWS=0 turns off, and oneDNN's packed linear),
-compiled steps' kind (and whether they autotune, $ROLLOUT_SSD_AUTOTUNE), the SSD settings that shape a
+compiled steps' kind (and whether frozen ones autotune, $ROLLOUT_SSD_AUTOTUNE), the SSD settings that shape a
 round, and the torch and package versions. Not the weights' values (an RL policy changes them every
 step; their shapes set the cost). A file with another key, a format it does
 not know, or bad values is ignored, with a warning: the cache can only save measuring rounds, never
@@ -41,7 +41,7 @@ from typing import Optional, Union
 import torch
 
 import rollout_ssd
-from rollout_ssd.gpu.graphs import autotune
+from rollout_ssd.gpu.graphs import autotune, compile_mode
 from rollout_ssd.models import bf16_rows
 from rollout_ssd.models.cpu_backend import cpu_kind, cpu_model, packed_bf16
 from rollout_ssd.models.decoder import Decoder
@@ -79,7 +79,7 @@ def engine_key(runner: ModelRunner, draft: Decoder, config) -> dict:
             "device": f"{device.type}: {where}", "cores": cores, "threads": torch.get_num_threads(),
             "target": _model_key(target), "draft": _model_key(draft),
             "static_steps": None if static is None else [static.graphs, str(static.compiled), static.pad_t,
-                                                         bool(static.compiled) and autotune()],
+                                                         compile_mode(static.compiled) == "frozen" and autotune()],
             "ssd": _plain(settings)}
 
 
