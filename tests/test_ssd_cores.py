@@ -14,6 +14,17 @@ CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
 needs_two = pytest.mark.skipif(len(CORES) < 2, reason="needs a process with two or more CPU cores")
 
 
+@pytest.fixture(autouse=True)
+def _threads_restored():
+    """The tests set thread counts in threads of their own, yet not every library keeps its count per
+    thread: without this thread's count set again afterwards, a later test's float32 GEMMs ran on another
+    count and rounded differently (test_ssd_worker.py's bitwise logprobs of two engines failed after this
+    file, and pass with it)."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
 def _in_thread(fn):
     """Run fn in a fresh thread (affinity and OpenMP's thread count are per thread: the suite's own
     thread is left as it was) and return what it returned, re-raising what it raised."""
