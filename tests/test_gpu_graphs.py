@@ -338,7 +338,7 @@ def _bf16_step(runner, slots, rows):
 @needs_cxx
 def test_frozen_bf16_steps_run_the_rows_kernel_where_it_runs(tmp_path, monkeypatch):
     """Where the bf16 rows kernel runs, frozen compiled steps of a bf16 model call it for every linear
-    (its packed copies folded into the graph) rather than inductor's own bf16 GEMMs, which are slower at
+    (over its packed copies, graph inputs) rather than inductor's own bf16 GEMMs, which are slower at
     a step's few rows (bench/RESULTS.md, "a fourth CPU kind"): 9 kernel calls per step of the 2-layer
     model (4 linears a layer and the head) at 1 row and at a 2 x 4-token verify, and logits within the
     live test's bf16 bound of the eager runner's."""
@@ -358,6 +358,8 @@ def test_frozen_bf16_steps_run_the_rows_kernel_where_it_runs(tmp_path, monkeypat
         calls.clear()
         assert (_bf16_step(frozen, slots, rows) - expected).abs().max() <= tol
         assert len(calls) == 9
+    assert not frozen.static.retired  # the compiled steps ran (a failed compile falls back to eager steps)
+    assert {(key.rows, key.t) for key in frozen.static.steps} == {(1, 1), (2, 4)}
     assert all(step.mode == "frozen" and step.compiled is not None for step in frozen.static.steps.values())
 
 

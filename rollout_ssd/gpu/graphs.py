@@ -16,7 +16,7 @@ eagerly, which is how its results are tested against `Decoder.forward`, or, with
 eager step goes, and attention reads only the used cache length (the one dynamic size). Two kinds:
 - "frozen": the weights folded into the graph as constants, packed by inductor, the batch-1 GEMMs on
   its C++ templates where they measure faster (a bf16 model's linears of at most BF16_ROWS_MAX_ROWS rows
-  on the bf16 rows kernel where it runs, over its copies as traced): the fastest step, for fixed
+  on the bf16 rows kernel where it runs, over its copies as graph inputs): the fastest step, for fixed
   weights. A write to any weight turns the frozen steps into live ones (compiled anew, once);
 - "live": the weights stay the graph's inputs, so a step follows every update (RL) with no recompile;
   bf16 linears run cpu_backend's kernels (the bf16 rows kernel, oneDNN's packed linear) as ops over
@@ -201,7 +201,7 @@ class StaticStep:
             live = self.mode == "live"
             with _COMPILED:
                 # packed copies remade where a weight was written since (the key: 3x cheaper to check);
-                # frozen: the rows kernel's copies listed once, before the trace reads them
+                # frozen: the rows kernel's copies listed once, before the first trace reads them
                 key = weights_key(self._modules) if live else ()
                 if key != self._packed_for:
                     pack_live(self.model)

@@ -114,7 +114,8 @@ _ON = os.environ.get("ROLLOUT_SSD_BF16_ROWS", "1") != "0"
 
 def set_enabled(on: bool) -> None:
     """Turn the kernel's use on or off in this process (benchmarks compare it with oneDNN's this way;
-    compiled steps traced before keep the form they were traced with)."""
+    compiled steps traced before keep the form they were traced with, except that a frozen step
+    recompiles in the new form once a step compiled after the switch has listed the kernel's copies)."""
     global _ON
     _ON = bool(on)
 
