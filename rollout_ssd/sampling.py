@@ -118,10 +118,11 @@ def target_probs(
     logits = logits.float()
     greedy = temperature <= 0
     if bool(greedy.all()):  # every row a point mass: no softmax to compute and discard
-        return torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        return _point_masses(logits)
     needs_trunc = (~greedy) & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
-    temp = torch.where(greedy, torch.ones_like(temperature), temperature).to(dev, torch.float32)
-    scaled = logits if _unit_temperatures(temperature) else logits / temp[:, None]
+    scaled = logits
+    if not _unit_temperatures(temperature):
+        scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).to(dev, torch.float32)[:, None]
     if bool(needs_trunc.any()):
         rows = needs_trunc.nonzero()[:, 0].to(dev)
         k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).to(dev)
@@ -130,10 +131,14 @@ def target_probs(
         scaled[rows] = scaled[rows].masked_fill(drop, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if bool(greedy.any()):
-        point = torch.zeros_like(probs)
-        point.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-        probs = torch.where(greedy.to(dev)[:, None], point, probs)
+        probs = torch.where(greedy.to(dev)[:, None], _point_masses(logits), probs)
     return probs
+
+
+def _point_masses(logits: torch.Tensor) -> torch.Tensor:
+    """[N, V] float32: each row's point mass on its argmax (the lowest index on ties), the greedy law."""
+    return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(
+        1, logits.argmax(dim=-1, keepdim=True), 1.0)
 
 
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -15,13 +15,12 @@ workload, is corrected as the engine runs.
 The key is everything the times depend on: the CPU (model name, kind, cores), torch's threads, the
 device, the target's and draft's architecture and dtype (and for a bf16 CPU model the linear kernels it
 runs on: the bf16 rows kernel, which $ROLLOUT_SSD_BF16_ROWS=0 turns off, and oneDNN's packed linear),
-compiled steps' kind (and whether frozen ones autotune, $ROLLOUT_SSD_AUTOTUNE), the SSD settings that shape a
-round, and the torch and package versions. Not the weights' values (an RL policy changes them every
-step; their shapes set the cost). A file with another key, a format it does
-not know, or bad values is ignored, with a warning: the cache can only save measuring rounds, never
-change what is generated (every plan is lossless; the cache moves only which plan runs first). Files are
-written whole (a temporary file renamed over the old one), so concurrent engines on one machine never
-read half a file.
+compiled steps' kind (and whether frozen ones autotune, $ROLLOUT_SSD_AUTOTUNE), the SSD settings that
+shape a round, and the torch and package versions. Not the weights' values (an RL policy changes them
+every step; their shapes set the cost). A file with another key, a format it does not know, or bad
+values is ignored, with a warning: the cache can only save measuring rounds, never change what is
+generated (every plan is lossless; the cache moves only which plan runs first). Files are written whole
+(a temporary file renamed over the old one), so concurrent engines on one machine never read half a file.
 
 Where: SpecConfig.rule_cache (True: $ROLLOUT_SSD_CACHE/rule, default ~/.cache/rollout_ssd/rule;
 $ROLLOUT_SSD_RULE_CACHE=0 turns that off; a path: that directory; False: off).
