@@ -214,15 +214,14 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: 
             return None
         x2 = x.reshape(m, x.shape[-1])
         rows = copies.live.get(name + ":rows") if m <= BF16_ROWS_MAX_ROWS else None  # made where the kernel runs
-        packed = copies.live.get(name) if _LIVE else None
         if rows is not None:
             out = torch.ops.rollout_ssd.bf16_rows(x2, rows, bias, w.shape[0])
-        elif not _LIVE:
+        elif not _LIVE:  # frozen: F.linear, which inductor packs itself
             return None
         elif m == 1 and w.dtype == torch.bfloat16:  # one row: a reduction inductor streams the weight through
             out = (w.float() * x2.float()).sum(-1)
             out = (out if bias is None else out + bias.float()).to(x.dtype)
-        elif packed is not None:
+        elif (packed := copies.live.get(name)) is not None:
             out = torch.ops.rollout_ssd.packed_linear(x2, packed, bias, w.shape[0])
         else:
             return None
