@@ -199,9 +199,12 @@ def main(argv=None):
         ar_row = next(r for r in rows if r["method"] == "ar")
         rows.append(against_generate(target, timed, args.new_tokens, ar_row, modes))
         print(rows[-1], flush=True)
-    print(f"dtype auto: {describe_auto_dtype()}; bf16 rows kernel: {'on' if bf16_rows.available() else 'off'}")
+    op = "C++" if bf16_rows.op_in_cpp() else "Python"
+    print(f"dtype auto: {describe_auto_dtype()}; bf16 rows kernel: {'on' if bf16_rows.available() else 'off'}; "
+          f"its op's kernel: {op}")
     print_table(rows)
-    print_json_line({"bench": "bench_compile", "machine": machine_note(), "args": vars(args), "rows": rows})
+    print_json_line({"bench": "bench_compile", "machine": machine_note(), "args": vars(args), "bf16_rows_op": op,
+                     "rows": rows})
 
 
 if __name__ == "__main__":

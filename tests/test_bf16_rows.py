@@ -12,6 +12,7 @@ import copy
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -107,10 +108,30 @@ def test_packed_linear_routes_few_rows_to_the_kernel_and_more_to_onednn():
 
 @needs_kernel
 def test_the_op_compiled_steps_call_equals_the_eager_kernel():
-    w, x, bias = case(100, 64, 5, seed=5)
-    packed = bf16_rows.pack(w)
+    """The op runs its C++ kernel where a C++ compiler builds it (a compile error fails here with the
+    compiler's output), bitwise the ctypes path's results, with and without a bias, at 1..9 rows; its
+    checks name what was wrong; inside a compiled function too."""
+    cxx = shutil.which(os.environ.get("CXX") or "c++") or shutil.which("g++")
+    if os.environ.get("ROLLOUT_SSD_BF16_ROWS_OP") != "0" and cxx:
+        try:
+            bf16_rows.build(op=True)
+        except subprocess.CalledProcessError as exc:
+            pytest.fail(f"the bf16 rows op's C++ kernel does not compile: {exc.stderr}")
+        assert bf16_rows.op_in_cpp()
+        assert torch._C._dispatch_has_kernel_for_dispatch_key("rollout_ssd::bf16_rows", "CPU")
+    for rows in (1, 2, 5, 7, 9):
+        w, x, bias = case(100, 64, rows, seed=rows)
+        packed = bf16_rows.pack(w)
+        for b in (bias, None):
+            assert torch.equal(torch.ops.rollout_ssd.bf16_rows.default(x, packed, b, 100), bf16_rows.linear(x, packed, 100, b))
+    if bf16_rows.op_in_cpp():
+        with pytest.raises(RuntimeError, match="does not fit"):
+            torch.ops.rollout_ssd.bf16_rows(x[:, :62], packed, None, 100)
+        with pytest.raises(RuntimeError, match="bias has 3 elements"):
+            torch.ops.rollout_ssd.bf16_rows(x, packed, bias[:3], 100)
+        with pytest.raises(RuntimeError, match="64-byte aligned"):
+            torch.ops.rollout_ssd.bf16_rows(x, packed.transpose(1, 2).contiguous().transpose(1, 2), None, 100)
     expected = bf16_rows.linear(x, packed, 100, bias)
-    assert torch.equal(torch.ops.rollout_ssd.bf16_rows(x, packed, bias, 100), expected)
     compiled = torch.compile(lambda x, p, b: torch.ops.rollout_ssd.bf16_rows(x, p, b, 100) * 2, fullgraph=True)
     assert torch.equal(compiled(x, packed, bias), expected * 2)
 
@@ -151,6 +172,10 @@ def test_build_is_cached_by_source_and_a_failed_build_leaves_the_kernel_off(tmp_
     stamp = first.stat().st_mtime_ns
     assert bf16_rows.build() == first and first.stat().st_mtime_ns == stamp  # reused, not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left
+    if shutil.which(os.environ.get("CXX") or "c++") or shutil.which("g++"):  # the op's C++ kernel: its own key
+        op = bf16_rows.build(op=True)
+        assert op.parent == tmp_path and op.name.startswith("bf16_rows_op-") and bf16_rows.build(op=True) == op
+        op.unlink()
     with pytest.raises(subprocess.CalledProcessError):
         bf16_rows.build(compiler="false")  # a compiler that fails: a new key, nothing written
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
@@ -163,7 +188,7 @@ def test_build_is_cached_by_source_and_a_failed_build_leaves_the_kernel_off(tmp_
     fallback = bf16_rows.build()
     assert fallback.parent.parent == tmp_path / "tmp" and fallback.name == first.name
 
-    def failing(compiler=None):
+    def failing(compiler=None, op=False):
         raise subprocess.CalledProcessError(1, ["cc"], stderr="cc: error: bad flags")
 
     monkeypatch.setattr(bf16_rows, "build", failing)
@@ -173,6 +198,25 @@ def test_build_is_cached_by_source_and_a_failed_build_leaves_the_kernel_off(tmp_
     finally:
         monkeypatch.undo()
         bf16_rows._kernel.cache_clear()
+
+
+@needs_kernel
+def test_where_the_ops_cpp_kernel_does_not_build_the_op_falls_back_to_the_same_results(tmp_path):
+    """A C++ compiler that fails (in a fresh process, as a loaded library stays for the process): the
+    kernel stays on, the op runs through Python, bitwise the C++ kernel's results here."""
+    w, x, bias = case(70, 64, 3, seed=11)
+    packed = bf16_rows.pack(w)
+    torch.save({"x": x, "w": packed, "b": bias}, tmp_path / "case.pt")
+    script = ("import sys, torch\nfrom rollout_ssd.models import bf16_rows\n"
+              "c = torch.load(sys.argv[1], weights_only=True)\n"
+              "assert bf16_rows.available() and not bf16_rows.op_in_cpp()\n"
+              "torch.save(torch.ops.rollout_ssd.bf16_rows(c['x'], c['w'], c['b'], 70), sys.argv[2])\n")
+    env = {**os.environ, "CXX": "false", "ROLLOUT_SSD_KERNEL_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "case.pt"), str(tmp_path / "out.pt")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "C++ kernel not built" in done.stderr
+    assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True), torch.ops.rollout_ssd.bf16_rows(x, packed, bias, 70))
 
 
 @needs_kernel

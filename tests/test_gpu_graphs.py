@@ -301,7 +301,7 @@ def test_live_bf16_steps_follow_weight_writes(tmp_path, monkeypatch, kernel):
 
 
 def test_only_frozen_one_token_steps_autotune_and_the_switch_turns_it_off(monkeypatch):
-    from rollout_ssd.gpu.graphs import compile_options
+    from rollout_ssd.gpu.inductor import compile_options
 
     monkeypatch.delenv("ROLLOUT_SSD_AUTOTUNE")
     assert compile_options(1)["max_autotune"] and compile_options(1)["freezing"]
@@ -338,7 +338,7 @@ def _bf16_step(runner, slots, rows):
 @needs_cxx
 def test_frozen_bf16_steps_run_the_rows_kernel_where_it_runs(tmp_path, monkeypatch):
     """Where the bf16 rows kernel runs, frozen compiled steps of a bf16 model call it for every linear
-    (over its packed copies, graph inputs) rather than inductor's own bf16 GEMMs, which are slower at
+    (over its packed copies, held by the graph) rather than inductor's own bf16 GEMMs, which are slower at
     a step's few rows (bench/RESULTS.md, "a fourth CPU kind"): 9 kernel calls per step of the 2-layer
     model (4 linears a layer and the head) at 1 row and at a 2 x 4-token verify, and logits within the
     live test's bf16 bound of the eager runner's."""
@@ -350,17 +350,25 @@ def test_frozen_bf16_steps_run_the_rows_kernel_where_it_runs(tmp_path, monkeypat
     batches = [([2], [[3]]), ([2, 0], [[6, 7], [8]])]
     want = [_bf16_step(eager, slots, rows) for slots, rows in batches]
     tol = 0.05 * max(float(w.max() - w.min()) for w in want)
-    calls = []
-    kernel = bf16_rows.linear
-    monkeypatch.setattr(bf16_rows, "linear", lambda *args: calls.append(1) or kernel(*args))
     for (slots, rows), expected in zip(batches, want):
         _bf16_step(frozen, slots, rows)  # the compile, on the first call
-        calls.clear()
-        assert (_bf16_step(frozen, slots, rows) - expected).abs().max() <= tol
-        assert len(calls) == 9
+        with torch.profiler.profile() as prof:  # the op's calls, C++ kernel or Python fallback alike
+            assert (_bf16_step(frozen, slots, rows) - expected).abs().max() <= tol
+        assert sum(e.name == "rollout_ssd::bf16_rows" for e in prof.events()) == 9
     assert not frozen.static.retired  # the compiled steps ran (a failed compile falls back to eager steps)
     assert {(key.rows, key.t) for key in frozen.static.steps} == {(1, 1), (2, 4)}
     assert all(step.mode == "frozen" and step.compiled is not None for step in frozen.static.steps.values())
+    # the rows kernel turned off: the frozen steps keep the copies they hold (their module's guards are
+    # not evaluated: `inductor.guard_filter`), compile nothing more and give the same logits
+    graphs = _graphs_per_step(frozen.static.steps)
+    before = [_bf16_step(frozen, slots, rows) for slots, rows in batches]
+    monkeypatch.setattr(bf16_rows, "_ON", False)
+    from rollout_ssd.models.cpu_backend import pack_live
+
+    pack_live(frozen.model)  # what a step first traced now would do: drop the kernel's copies
+    assert not any(name.endswith(":rows") for name in frozen.model.copies.live)
+    assert all(torch.equal(_bf16_step(frozen, slots, rows), b) for (slots, rows), b in zip(batches, before))
+    assert _graphs_per_step(frozen.static.steps) == graphs
 
 
 @needs_cxx

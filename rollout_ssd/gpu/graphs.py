@@ -16,7 +16,7 @@ eagerly, which is how its results are tested against `Decoder.forward`, or, with
 eager step goes, and attention reads only the used cache length (the one dynamic size). Two kinds:
 - "frozen": the weights folded into the graph as constants, packed by inductor, the batch-1 GEMMs on
   its C++ templates where they measure faster (a bf16 model's linears of at most BF16_ROWS_MAX_ROWS rows
-  on the bf16 rows kernel where it runs, over its copies as graph inputs): the fastest step, for fixed
+  on the bf16 rows kernel where it runs, over its copies, held by the graph): the fastest step, for fixed
   weights. A write to any weight turns the frozen steps into live ones (compiled anew, once);
 - "live": the weights stay the graph's inputs, so a step follows every update (RL) with no recompile;
   bf16 linears run cpu_backend's kernels (the bf16 rows kernel, oneDNN's packed linear) as ops over
@@ -34,7 +34,6 @@ short contexts). Under the Triton backend (EngineConfig.attention) each query re
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import types
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from typing import Optional, Sequence
 import torch
 
 from rollout_ssd.config import COMPILE
+from rollout_ssd.gpu.inductor import compile_options, guard_filter
 from rollout_ssd.kv_cache import KVCache
 from rollout_ssd.models.attention import KeyLayout
 from rollout_ssd.models.cpu_backend import live_steps, pack_live
@@ -172,15 +172,18 @@ class StaticStep:
         written. mode "live": the weights are read on every call (the bf16 linears through
         `cpu_backend.pack_live`'s copies).
         Each step compiles its own copy of the module's code: dynamo keeps its graphs per code object and
-        guards a frozen weight by identity, not content, so a step sharing the code would reuse another
-        step's graph (a dynamic row count serves every bucket), stale weights included, and keep it alive."""
+        does not guard the weights' content (nor, frozen, their identity: `guard_filter`), so a step sharing
+        the code would reuse another step's graph (a dynamic row count serves every bucket), stale weights
+        included, and keep it alive."""
         if mode not in COMPILE:
             raise ValueError(f"compile mode must be one of {COMPILE}, got {mode!r}")
         name = f"{mode}_{self.rows}x{self.t}"
         code = _StepModule.forward.__code__.replace(co_name=f"step_{name}")
         own = type(f"_Step_{name}", (_StepModule,),
                    {"forward": types.FunctionType(code, _StepModule.forward.__globals__)})
-        self.compiled, self.mode = torch.compile(own(self), fullgraph=True), mode
+        guards = guard_filter(mode)
+        self.compiled = torch.compile(own(self), fullgraph=True, options=guards and {"guard_filter_fn": guards})
+        self.mode = mode
         self._modules = list(self.model.modules()) if mode == "live" else []
 
     @torch.inference_mode()
@@ -216,28 +219,6 @@ class StaticStep:
 # process-wide, so two engines' steps on two threads must not interleave (one step's options would be
 # another's compile). A re-entrant lock: uncontended, it costs next to nothing per step.
 _COMPILED = threading.RLock()
-
-
-def autotune() -> bool:
-    """Whether frozen one-token steps autotune their GEMMs: unless $ROLLOUT_SSD_AUTOTUNE is "0" (shorter
-    compiles, ATen's GEMMs; the test suite's setting, tests/conftest.py)."""
-    return os.environ.get("ROLLOUT_SSD_AUTOTUNE", "1") != "0"
-
-
-def compile_options(t: int, mode: str = "frozen") -> dict:
-    """inductor's options for a compiled CPU step of t tokens per row. Frozen: the weights constant-
-    folded and packed once; for one token (decode) the GEMMs are also autotuned between ATen's (oneDNN)
-    and inductor's C++ templates, which win there (`autotune`); a verify's few rows run faster on
-    oneDNN's packed kernels than on the templates, autotuning or not (bench/probe_compiled_step.py,
-    bench/RESULTS.md).
-    Live: no freezing (the weights stay inputs) and no autotuning (the templates need frozen weights);
-    a producer of more than 4 ops (an RMS norm, an embedding lookup) is computed once into a buffer where
-    inductor would otherwise inline it into the one-row linears' reduction loops, once per output row."""
-    if mode == "live":
-        return {"freezing": False, "max_autotune": False, "realize_opcount_threshold": 4}
-    if t == 1 and autotune():
-        return {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
-    return {"freezing": True, "max_autotune": False}
 
 
 class _StepModule(torch.nn.Module):

@@ -22,7 +22,11 @@ cpu_backend keeps oneDNN's packed linear. $ROLLOUT_SSD_BF16_ROWS=0 (or `set_enab
 off.
 
 Inside a compiled step the kernel is the op `rollout_ssd::bf16_rows`, which inductor calls as an opaque
-kernel over the packed copy (a graph input, so a live step follows weight updates).
+kernel over the packed copy (a live step's input, so it follows weight updates; a frozen step holds its
+copies). The op's CPU kernel is C++ (csrc/bf16_rows_op.cpp, over the same C code, built beside the C
+library with the C++ compiler, `c++` or $CXX, against torch's stable C ABI), so a step's hundred-odd
+calls do not each pass through Python; where that build or load fails, or $ROLLOUT_SSD_BF16_ROWS_OP=0,
+the op falls back to `linear` (same results, a slower call).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "bf16_rows.c"
+OP_SOURCE = SOURCE.with_name("bf16_rows_op.cpp")
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
 TILE = 64  # outputs per tile of the packed layout (csrc/bf16_rows.c)
 
@@ -61,17 +66,35 @@ def _cache_dirs() -> list[Path]:
     return [Path(root), Path(tempfile.gettempdir()) / f"rollout_ssd-kernels-{os.getuid()}"]
 
 
-def build(compiler: Optional[str] = None) -> Path:
-    """Compile csrc/bf16_rows.c into the cache (once per source and flags) and return the library's path.
-    Concurrent builders (an engine and its SSD worker process) each write a temporary file and rename
-    it, so a reader never sees half a library. Raises CalledProcessError / OSError on failure."""
-    compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+def _torch_root() -> Path:
+    return Path(torch.__file__).parent
+
+
+def _op_command() -> tuple[str, ...]:
+    """The C++ op library's flags past the C kernel's: torch's headers, its library (the stable ABI's C
+    functions), the ABI version the source targets (2.10: every function it calls)."""
+    root = _torch_root()
+    return ("-std=c++17", f"-I{root / 'include'}", "-DTORCH_TARGET_VERSION=0x020a000000000000",
+            f"-L{root / 'lib'}", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}")
+
+
+def build(compiler: Optional[str] = None, op: bool = False) -> Path:
+    """Compile csrc/bf16_rows.c (op: csrc/bf16_rows_op.cpp, the op's C++ kernel over the same C code,
+    with a C++ compiler) into the cache, once per source, flags and (op) torch version, and return the
+    library's path. Concurrent builders (an engine and its SSD worker process) each write a temporary
+    file and rename it, so a reader never sees half a library. Raises CalledProcessError / OSError."""
+    if op:
+        compiler = compiler or os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
+        source, flags, name = OP_SOURCE, (*FLAGS, *_op_command()), "bf16_rows_op"
+    else:
+        compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
+        source, flags, name = SOURCE, FLAGS, "bf16_rows"
+    text = SOURCE.read_bytes() + (OP_SOURCE.read_bytes() + torch.__version__.encode() if op else b"")
+    key = hashlib.sha256(text + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
     dirs = _cache_dirs()
     for folder in dirs:
-        if (folder / f"bf16_rows-{key}.so").exists():
-            return folder / f"bf16_rows-{key}.so"
+        if (folder / f"{name}-{key}.so").exists():
+            return folder / f"{name}-{key}.so"
     for folder in dirs:
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -82,9 +105,11 @@ def build(compiler: Optional[str] = None) -> Path:
     else:
         raise OSError(f"no writable folder for the bf16 rows kernel among {[str(d) for d in dirs]}")
     os.close(fd)
-    target = folder / f"bf16_rows-{key}.so"
+    target = folder / f"{name}-{key}.so"
     try:
-        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True)
+        # the linker's inputs after the source: a library named before the file that uses it is dropped
+        subprocess.run([compiler, *FLAGS, str(source), *flags[len(FLAGS):], "-o", tmp], check=True,
+                       capture_output=True, text=True)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -106,7 +131,31 @@ def _kernel():
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     fn.restype = None
+    _op_library()
     return fn
+
+
+@functools.cache
+def _op_library() -> Optional[Path]:
+    """Build and load the op's C++ kernel (csrc/bf16_rows_op.cpp), which then serves every CPU call of
+    `rollout_ssd::bf16_rows` in place of the Python fallback below; None where it is turned off
+    ($ROLLOUT_SSD_BF16_ROWS_OP=0), or cannot be built or loaded (logged once: the fallback stays, same
+    results, a slower call). A library once loaded stays for the process."""
+    if os.environ.get("ROLLOUT_SSD_BF16_ROWS_OP", "1") == "0":
+        return None
+    try:
+        path = build(op=True)
+        torch.ops.load_library(str(path))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("bf16 rows op's C++ kernel not built or not loaded (%s); compiled steps call it through Python", detail)
+        return None
+    return path
+
+
+def op_in_cpp() -> bool:
+    """Whether `rollout_ssd::bf16_rows` runs its C++ kernel here (else the Python fallback, or nothing)."""
+    return _kernel() is not None and _op_library() is not None
 
 
 _ON = os.environ.get("ROLLOUT_SSD_BF16_ROWS", "1") != "0"
@@ -114,8 +163,8 @@ _ON = os.environ.get("ROLLOUT_SSD_BF16_ROWS", "1") != "0"
 
 def set_enabled(on: bool) -> None:
     """Turn the kernel's use on or off in this process (benchmarks compare it with oneDNN's this way;
-    compiled steps traced before keep the form they were traced with, except that a frozen step
-    recompiles in the new form once a step compiled after the switch has listed the kernel's copies)."""
+    compiled steps traced before keep the form they were traced with, a frozen one the kernel's copies it
+    holds)."""
     global _ON
     _ON = bool(on)
 
@@ -156,7 +205,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.T
     return out
 
 
-# The op compiled steps call (inductor runs it as an opaque kernel; the packed copy is a graph input).
+# The op compiled steps call (inductor runs it as an opaque kernel over the packed copy).
 _LIBRARY = torch.library.Library("rollout_ssd", "FRAGMENT")
 _LIBRARY.define("bf16_rows(Tensor x, Tensor packed, Tensor? bias, SymInt n) -> Tensor")
 _LIBRARY.impl("bf16_rows", lambda x, packed, bias, n: linear(x, packed, n, bias), "CompositeExplicitAutograd")

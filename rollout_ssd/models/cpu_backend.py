@@ -205,7 +205,7 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: 
     rows kernel over its packed copy at 1..BF16_ROWS_MAX_ROWS rows where it runs, else oneDNN over its
     packed copy), or None where neither applies (other dtypes, devices, training, more than
     PACKED_BF16_MAX_ROWS rows). Inside a compiled step: the same kernels, as ops over the copies
-    `pack_live` made. A frozen step takes only the rows kernel (its copy a graph input, read each call; inductor's
+    `pack_live` made. A frozen step takes only the rows kernel (its copy held by the graph; inductor's
     own bf16 GEMMs are slower at these row counts) and otherwise None (F.linear, which inductor packs
     itself); a live one (`live_steps`) also oneDNN's op, or a one-row reduction."""
     m = x.numel() // x.shape[-1]

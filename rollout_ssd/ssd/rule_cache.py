@@ -40,7 +40,8 @@ from typing import Optional, Union
 import torch
 
 import rollout_ssd
-from rollout_ssd.gpu.graphs import autotune, compile_mode
+from rollout_ssd.gpu.graphs import compile_mode
+from rollout_ssd.gpu.inductor import autotune
 from rollout_ssd.models import bf16_rows
 from rollout_ssd.models.cpu_backend import cpu_kind, cpu_model, packed_bf16
 from rollout_ssd.models.decoder import Decoder
