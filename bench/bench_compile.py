@@ -33,7 +33,7 @@ import contextlib
 import time
 
 import torch
-from common import add_repo_to_path, bench_prompts, machine_note, print_json_line, print_table
+from common import add_repo_to_path, bench_prompts, machine_note, memory_bandwidth, print_json_line, print_table
 
 add_repo_to_path()
 
@@ -50,25 +50,31 @@ def first_difference(a: list[int], b: list[int]):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
-def against_generate(target, prompts, new_tokens: int, ar_row: dict, modes: list[str]) -> dict:
+def against_generate(target, prompts, new_tokens: int, ar_row: dict, modes: list[str], bw_before: dict) -> dict:
     """transformers' `generate` on the same weights in the target's dtype (greedy, fixed length, one
     prompt per call as above), and the batch-1 memory roofline: the copy bandwidth over the bytes a
-    decode step must stream (bench_ar.py's `bytes_per_step`). The AR rates above include each call's
-    prefill, so their share of the roofline is a lower bound."""
+    decode step must stream (bench_ar.py's `bytes_per_step`), the bandwidth the best of `bw_before` (taken
+    before the engines ran) and one taken now, as bench_ar.py does (a single probe moved between runs
+    by far more than the engines did); the roofline of a pure read (`sum()`) is given too. The AR rates above include
+    each call's prefill, so their share of the roofline is a lower bound."""
     from bench_ar import bytes_per_step, hf_model_from, hf_run
-    from common import memory_bandwidth
 
     hf = hf_model_from(target).to(target.model.dtype)
     hf_run(hf, prompts[:1], 4)  # warm-up
     t0 = time.perf_counter()
     tokens = sum(len(hf_run(hf, [p], new_tokens)[0]) for p in prompts)
     hf_rate = tokens / (time.perf_counter() - t0)
-    roofline = memory_bandwidth()["copy_gbps"] * 1e9 / bytes_per_step(target.model, 1)
+    bw_after = memory_bandwidth()
+    bw = {k: max(bw_before[k], bw_after[k]) for k in bw_after}
+    step_bytes = bytes_per_step(target.model, 1)
+    roofline, read_roofline = bw["copy_gbps"] * 1e9 / step_bytes, bw["read_gbps"] * 1e9 / step_bytes
     row = {"method": "transformers generate (ar)", "eager tok/s": hf_rate, "roofline tok/s": roofline,
+           "read roofline tok/s": read_roofline, "copy GB/s before, after": [bw_before["copy_gbps"], bw_after["copy_gbps"]],
            "eager % of roofline": 100 * ar_row["eager tok/s"] / roofline}
     for mode in modes:
         row[f"ours {mode} / generate"] = ar_row[f"{mode} tok/s"] / hf_rate
         row[f"{mode} % of roofline"] = 100 * ar_row[f"{mode} tok/s"] / roofline
+        row[f"{mode} % of read roofline"] = 100 * ar_row[f"{mode} tok/s"] / read_roofline
     return row
 
 
@@ -185,6 +191,7 @@ def main(argv=None):
     warm, timed = prompts[:args.warm_prompts], prompts[args.warm_prompts:]
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
     rows, by_method = [], {}
+    bw_before = None if args.no_hf or "ar" not in args.methods.split(",") else memory_bandwidth()
     for method in args.methods.split(","):
         row, outputs = run_method(method, modes, target, draft, warm, timed, params, args)
         rows.append(row)
@@ -197,7 +204,7 @@ def main(argv=None):
                       [first_difference(a, b) for a, b in zip(by_method["ar"], outs)])
     if "ar" in by_method and not args.no_hf:
         ar_row = next(r for r in rows if r["method"] == "ar")
-        rows.append(against_generate(target, timed, args.new_tokens, ar_row, modes))
+        rows.append(against_generate(target, timed, args.new_tokens, ar_row, modes, bw_before))
         print(rows[-1], flush=True)
     op = "C++" if bf16_rows.op_in_cpp() else "Python"
     print(f"dtype auto: {describe_auto_dtype()}; bf16 rows kernel: {'on' if bf16_rows.available() else 'off'}; "
