@@ -12,7 +12,8 @@ and how many of the compiled engine's outputs equal the eager one's token for to
 position where each differs (the compiled graph rounds bf16 differently, so a greedy near-tie may
 fall the other way: counted, not assumed; the eager SD engine against the eager AR one is printed too,
 the same question between two eager paths). With AR, a last row: transformers' `generate` in the same
-dtype and the batch-1 memory roofline. --compile picks the compiled engines' kind ("frozen": weights folded
+dtype and the batch-1 memory roofline (the better of a bandwidth probe before the engines and one after, by
+the copy and by a pure read). --compile picks the compiled engines' kind ("frozen": weights folded
 in; "live": the weights stay graph inputs). --update-every-call writes new target weights before every
 timed prompt (through the compiled engine's `update_weights`; the engines share the target, so both run
 on them), alternating between the loaded weights and a perturbed copy, as an RL job's updates would: the

@@ -10,7 +10,7 @@ linear at a time, each call's own overhead would hide the kernels. Forms:
 - "reduction": (W.float() * x.float()).sum(-1), a loop inductor generates and fuses, the weight as is;
 - "blocked 16": the same over a copy of W blocked [N/16, K, 16] (16 outputs a vector);
 - "frozen": F.linear on frozen weights (inductor packs them; autotuned between oneDNN and its C++
-  templates at one row, oneDNN alone at more, as graphs.compile_options does).
+  templates at one row, oneDNN alone at more, as gpu/inductor.py's compile_options does).
 Median ms per graph call, GB/s over the weight bytes, compile seconds; table, then one JSON line.
 
     .venv/bin/python bench/probe_gemv_in_graph.py --rows 1

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,8 +112,7 @@ def test_the_op_compiled_steps_call_equals_the_eager_kernel():
     """The op runs its C++ kernel where a C++ compiler builds it (a compile error fails here with the
     compiler's output), bitwise the ctypes path's results, with and without a bias, at 1..9 rows; its
     checks name what was wrong; inside a compiled function too."""
-    cxx = shutil.which(os.environ.get("CXX") or "c++") or shutil.which("g++")
-    if os.environ.get("ROLLOUT_SSD_BF16_ROWS_OP") != "0" and cxx:
+    if os.environ.get("ROLLOUT_SSD_BF16_ROWS_OP") != "0" and _cxx():
         try:
             bf16_rows.build(op=True)
         except subprocess.CalledProcessError as exc:
@@ -131,9 +131,33 @@ def test_the_op_compiled_steps_call_equals_the_eager_kernel():
             torch.ops.rollout_ssd.bf16_rows(x, packed, bias[:3], 100)
         with pytest.raises(RuntimeError, match="64-byte aligned"):
             torch.ops.rollout_ssd.bf16_rows(x, packed.transpose(1, 2).contiguous().transpose(1, 2), None, 100)
+        with pytest.raises(RuntimeError, match="64-byte aligned"):  # contiguous, at an offset of one element
+            torch.ops.rollout_ssd.bf16_rows(x, _at_offset(packed), None, 100)
+        with pytest.raises(RuntimeError, match="n must be >= 0"):
+            torch.ops.rollout_ssd.bf16_rows(x, packed, None, -1)
+    op = torch.ops.rollout_ssd.bf16_rows.default
+    assert op(x[:0], packed, bias, 100).shape == (0, 100)
+    wide = torch.cat([x, x], dim=1)[:, ::2]  # not contiguous: copied first
+    assert torch.equal(op(wide, packed, bias, 100), bf16_rows.linear(wide.contiguous(), packed, 100, bias))
+    odd = _at_offset(x)  # contiguous at an odd bf16 offset: the kernel's 4-byte reads of x need a copy
+    assert odd.data_ptr() % 4 and torch.equal(op(odd, packed, bias, 100), bf16_rows.linear(x, packed, 100, bias))
+    assert torch.equal(bf16_rows.linear(odd, packed, 100, bias), bf16_rows.linear(x, packed, 100, bias))
     expected = bf16_rows.linear(x, packed, 100, bias)
     compiled = torch.compile(lambda x, p, b: torch.ops.rollout_ssd.bf16_rows(x, p, b, 100) * 2, fullgraph=True)
     assert torch.equal(compiled(x, packed, bias), expected * 2)
+
+
+def _cxx():
+    """The C++ compiler `build(op=True)` would run, where it exists ($CXX when set, as build takes it)."""
+    return shutil.which(os.environ["CXX"]) if os.environ.get("CXX") else shutil.which("c++") or shutil.which("g++")
+
+
+def _at_offset(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of t that starts one element into its storage (misaligned for 4 and 64 bytes
+    where the storage is aligned, as torch's CPU allocator makes it)."""
+    out = torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape)
+    out.copy_(t)
+    return out
 
 
 def test_shape_errors_name_what_was_wrong():
@@ -150,6 +174,10 @@ def test_shape_errors_name_what_was_wrong():
         bf16_rows.linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed.transpose(1, 2).contiguous().transpose(1, 2), 4)
     with pytest.raises(ValueError, match="bias has 3 elements"):
         bf16_rows.linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed, 4, torch.zeros(3))
+    with pytest.raises(ValueError, match="contiguous, 64-byte aligned"):  # contiguous, misaligned
+        bf16_rows.linear(torch.zeros(2, 8, dtype=torch.bfloat16), _at_offset(packed), 4)
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        bf16_rows.linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed, -1)
 
 
 @needs_kernel
@@ -172,10 +200,22 @@ def test_build_is_cached_by_source_and_a_failed_build_leaves_the_kernel_off(tmp_
     stamp = first.stat().st_mtime_ns
     assert bf16_rows.build() == first and first.stat().st_mtime_ns == stamp  # reused, not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left
-    if shutil.which(os.environ.get("CXX") or "c++") or shutil.which("g++"):  # the op's C++ kernel: its own key
+    if _cxx():  # the op's C++ kernel: its own key, which holds torch's version
         op = bf16_rows.build(op=True)
         assert op.parent == tmp_path and op.name.startswith("bf16_rows_op-") and bf16_rows.build(op=True) == op
         op.unlink()
+        compiles = []
+
+        def fake_compile(cmd, **kwargs):  # writes an empty "library" where the compiler would
+            compiles.append(cmd)
+            Path(cmd[-1]).write_bytes(b"")
+
+        with monkeypatch.context() as m:
+            m.setattr(bf16_rows.subprocess, "run", fake_compile)
+            m.setattr(torch, "__version__", "0.0.0+another")
+            other = bf16_rows.build(op=True)
+        assert len(compiles) == 1 and other.name != op.name and other.name.startswith("bf16_rows_op-")
+        other.unlink()
     with pytest.raises(subprocess.CalledProcessError):
         bf16_rows.build(compiler="false")  # a compiler that fails: a new key, nothing written
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
@@ -187,6 +227,12 @@ def test_build_is_cached_by_source_and_a_failed_build_leaves_the_kernel_off(tmp_
     (tmp_path / "tmp").mkdir()
     fallback = bf16_rows.build()
     assert fallback.parent.parent == tmp_path / "tmp" and fallback.name == first.name
+    fallback.parent.chmod(0o777)  # a shared folder others can write to: nothing in it is loaded or built
+    try:
+        with pytest.raises(OSError, match="no writable folder"):
+            bf16_rows.build()
+    finally:
+        fallback.parent.chmod(0o700)
 
     def failing(compiler=None, op=False):
         raise subprocess.CalledProcessError(1, ["cc"], stderr="cc: error: bad flags")

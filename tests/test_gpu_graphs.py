@@ -362,11 +362,17 @@ def test_frozen_bf16_steps_run_the_rows_kernel_where_it_runs(tmp_path, monkeypat
     # not evaluated: `inductor.guard_filter`), compile nothing more and give the same logits
     graphs = _graphs_per_step(frozen.static.steps)
     before = [_bf16_step(frozen, slots, rows) for slots, rows in batches]
+
+    def rows_copies() -> int:  # the kernel's copies listed for compiled steps, the head's and the layers'
+        held = [frozen.model.copies.live, *(layer.row_major.live for layer in frozen.model.layers)]
+        return sum(name.endswith(":rows") for copies in held for name in copies)
+
+    assert rows_copies() == 9
     monkeypatch.setattr(bf16_rows, "_ON", False)
     from rollout_ssd.models.cpu_backend import pack_live
 
     pack_live(frozen.model)  # what a step first traced now would do: drop the kernel's copies
-    assert not any(name.endswith(":rows") for name in frozen.model.copies.live)
+    assert rows_copies() == 0
     assert all(torch.equal(_bf16_step(frozen, slots, rows), b) for (slots, rows), b in zip(batches, before))
     assert _graphs_per_step(frozen.static.steps) == graphs
 

@@ -121,7 +121,8 @@ def test_cache_file_round_trip_key_and_bad_files(tmp_path, caplog):
 def test_key_holds_the_cpu_linear_kernels(tmp_path, monkeypatch):
     """Turning the bf16 rows kernel off ($ROLLOUT_SSD_BF16_ROWS=0) changes every linear's cost of a bf16
     CPU model, so it changes the key (and the file): times measured with the kernel are not restored
-    without it. A float32 model's linears never run it: its part of the key is the same either way."""
+    without it; so does its op's C++ kernel, which compiled steps call. A float32 model's linears never
+    run it: its part of the key is the same either way."""
     from rollout_ssd.models import bf16_rows
     from rollout_ssd.models.loader import load_pretrained
     from rollout_ssd.runner import ModelRunner
@@ -139,6 +140,12 @@ def test_key_holds_the_cpu_linear_kernels(tmp_path, monkeypatch):
     assert keys[0]["target"]["cpu_kernels"]["packed_bf16"] == rule_cache.packed_bf16()
     assert keys[0]["draft"] == keys[1]["draft"] and keys[0]["draft"]["cpu_kernels"] is None
     assert RuleCache("d", keys[0]).path != RuleCache("d", keys[1]).path
+    ops = []
+    for cpp in (True, False):  # the op compiled steps call: its C++ kernel, or the Python fallback
+        monkeypatch.setattr(bf16_rows, "op_in_cpp", lambda cpp=cpp: cpp)
+        ops.append(engine_key(runner, draft, SSDConfig()))
+    assert [k["target"]["cpu_kernels"]["bf16_rows_op_cpp"] for k in ops] == [True, False]
+    assert RuleCache("d", ops[0]).path != RuleCache("d", ops[1]).path
 
 
 def test_key_holds_whether_compiled_steps_autotune(tmp_path, monkeypatch):

@@ -1,13 +1,15 @@
 """The guards a compiled step evaluates per call (gpu/inductor.py, `guard_filter`): a frozen step's
 module guards go (the module's tensors are held as constants: replacing one neither recompiles nor is
 read, where dynamo's default guards recompile), its guards on the inputs, their shapes and the global
-state stay; a live step keeps every guard."""
+state stay, and what the filter stops guarding GraphedSteps checks itself (`weights_key`); a live step
+keeps every guard."""
 
 from __future__ import annotations
 
 import torch
 from torch._dynamo.testing import CompileCounter
 
+from rollout_ssd.gpu.graphs import weights_key
 from rollout_ssd.gpu.inductor import guard_filter
 
 FLAG = {"on": True}  # a global the traced code reads, as cpu_backend's live flag is
@@ -32,9 +34,36 @@ def _frozen_like(guards):
     return torch.compile(module, backend=counter, fullgraph=True, options=options), module, counter
 
 
-def test_a_live_step_keeps_every_guard_and_a_frozen_one_drops_its_modules():
-    assert guard_filter("live") is None
-    assert guard_filter("frozen") is torch.compiler.skip_guard_on_all_nn_modules_unsafe
+def test_the_weights_key_that_replaces_the_dropped_guards_sees_every_write_and_replacement():
+    """What a frozen step's filter stops guarding (its modules' tensors and children by identity),
+    GraphedSteps checks before each step through `weights_key`: each change below must change it."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    model[1].register_buffer("scale", torch.ones(4))
+    modules = list(model.modules())
+    key = weights_key(modules)
+    assert weights_key(modules) == key  # nothing changed: the same key
+
+    def changed() -> bool:
+        nonlocal key
+        new = weights_key(modules)
+        moved, key = new != key, new
+        return moved
+
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # a write in place (update_weights' copy_)
+    assert changed()
+    model[0].weight = torch.nn.Parameter(model[0].weight.detach().clone())  # a parameter replaced
+    assert changed()
+    model[1].scale = torch.zeros(4)  # a buffer replaced
+    assert changed()
+    model[1].scale.add_(1)  # a buffer written
+    assert changed()
+    model[1] = torch.nn.LayerNorm(4)  # a submodule replaced: its parent's child is another object
+    assert changed()
+    with torch.no_grad():
+        model(torch.randn(2, 4))  # a forward writes nothing
+    assert not changed()
+    assert guard_filter("live") is None  # a live step keeps every guard: its weights are inputs
 
 
 def test_a_frozen_steps_module_tensors_are_held_while_its_inputs_shapes_and_globals_stay_guarded():

@@ -247,11 +247,13 @@ def compile_mode(compiled) -> Optional[str]:
 
 
 def weights_key(modules: list) -> tuple:
-    """Every parameter of these modules (a model's `modules()`, listed once: walking the module tree on
-    every step costs several times more, bench/weights_check_cost.py) by identity, storage and version
-    counter: any in-place write or replacement of a parameter changes it."""
-    return tuple((id(p), p.data_ptr(), p._version) for m in modules for p in m._parameters.values()
-                 if p is not None)
+    """Every parameter and buffer of these modules (a model's `modules()`, listed once: walking the module
+    tree on every step costs several times more, bench/weights_check_cost.py) by identity, storage and
+    version counter, and each module's children by identity: an in-place write or a replacement of a
+    parameter or buffer, or a submodule replaced, changes it."""
+    return tuple((id(t), t.data_ptr(), t._version) for m in modules
+                 for t in (*m._parameters.values(), *m._buffers.values()) if t is not None) + \
+        tuple(id(c) for m in modules for c in m._modules.values())
 
 
 class GraphedSteps:

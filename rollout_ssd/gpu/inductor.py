@@ -33,9 +33,13 @@ def compile_options(t: int, mode: str = "frozen") -> dict:
 def guard_filter(mode: str):
     """dynamo's `guard_filter_fn` for a compiled step of this mode (None: every guard). A frozen step
     evaluates, on each call, dynamo's guards on its inputs, their shapes and the global state (flags such
-    as cpu_backend's live flag), not the hundreds on the step module's attributes (the weights' and kernel
-    copies' identity, the layers' hooks and types), which it holds as constants: a weight written or
-    replaced is GraphedSteps' own check (`weights_key`, which retires the frozen steps), and every step
-    compiles its own code, so no step can take another's graph. A live step keeps every guard (its
-    weights and copies are inputs: a replaced one must be read, and would be)."""
-    return torch.compiler.skip_guard_on_all_nn_modules_unsafe if mode == "frozen" else None
+    as cpu_backend's live flag), not the hundreds on the step module's attributes (the weights', buffers'
+    and kernel copies' identity, the layers' hooks and types), which it holds as constants: a parameter
+    or buffer written or replaced, or a submodule replaced, is GraphedSteps' own check before each step
+    (`weights_key`, which retires the frozen steps), and every step compiles its own code, so no step can
+    take another's graph. A live step keeps every guard (its weights and copies are inputs: a replaced one
+    must be read, and would be). None too where this torch has no such filter (it came after 2.5, the
+    oldest torch the package allows)."""
+    if mode != "frozen":
+        return None
+    return getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)

@@ -51,6 +51,7 @@ SOURCE = Path(__file__).with_name("csrc") / "bf16_rows.c"
 OP_SOURCE = SOURCE.with_name("bf16_rows_op.cpp")
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
 TILE = 64  # outputs per tile of the packed layout (csrc/bf16_rows.c)
+OP_TORCH = "2.10"  # the stable ABI version csrc/bf16_rows_op.cpp targets (TORCH_TARGET_VERSION in _op_command)
 
 
 def cpu_has_avx512_bf16() -> bool:
@@ -64,6 +65,17 @@ def _cache_dirs() -> list[Path]:
     per-user folder in the temporary directory where that one cannot be written (a read-only home)."""
     root = os.environ.get("ROLLOUT_SSD_KERNEL_CACHE") or Path.home() / ".cache" / "rollout_ssd" / "kernels"
     return [Path(root), Path(tempfile.gettempdir()) / f"rollout_ssd-kernels-{os.getuid()}"]
+
+
+def _private(folder: Path) -> bool:
+    """Whether libraries in this folder may be loaded: it is ours and nobody else can write to it (the
+    temporary directory is shared, and a folder another user made first at our name could hold a
+    planted library), or it does not exist yet."""
+    try:
+        st = folder.stat()
+    except (FileNotFoundError, NotADirectoryError):  # not there (yet): whoever makes it is checked then
+        return True
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def _torch_root() -> Path:
@@ -91,13 +103,15 @@ def build(compiler: Optional[str] = None, op: bool = False) -> Path:
         source, flags, name = SOURCE, FLAGS, "bf16_rows"
     text = SOURCE.read_bytes() + (OP_SOURCE.read_bytes() + torch.__version__.encode() if op else b"")
     key = hashlib.sha256(text + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
-    dirs = _cache_dirs()
+    dirs = [d for d in _cache_dirs() if _private(d)]
     for folder in dirs:
         if (folder / f"{name}-{key}.so").exists():
             return folder / f"{name}-{key}.so"
     for folder in dirs:
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not _private(folder):  # made by another user between the check above and now
+                continue
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
         except OSError:
             continue
@@ -143,10 +157,14 @@ def _op_library() -> Optional[Path]:
     results, a slower call). A library once loaded stays for the process."""
     if os.environ.get("ROLLOUT_SSD_BF16_ROWS_OP", "1") == "0":
         return None
+    if torch.__version__ < OP_TORCH:
+        log.info("bf16 rows op's C++ kernel needs torch >= %s (the stable C ABI it targets); the op calls it "
+                 "through Python", OP_TORCH)
+        return None
     try:
         path = build(op=True)
         torch.ops.load_library(str(path))
-    except (OSError, subprocess.CalledProcessError) as exc:
+    except Exception as exc:  # noqa: BLE001 (a build or a load that fails: the fallback serves the op)
         detail = getattr(exc, "stderr", "") or exc
         log.warning("bf16 rows op's C++ kernel not built or not loaded (%s); compiled steps call it through Python", detail)
         return None
@@ -162,9 +180,9 @@ _ON = os.environ.get("ROLLOUT_SSD_BF16_ROWS", "1") != "0"
 
 
 def set_enabled(on: bool) -> None:
-    """Turn the kernel's use on or off in this process (benchmarks compare it with oneDNN's this way;
-    compiled steps traced before keep the form they were traced with, a frozen one the kernel's copies it
-    holds)."""
+    """Turn the kernel's use on or off in this process (benchmarks compare it with oneDNN's this way).
+    A frozen compiled step traced before keeps the form it was traced with (the kernel's copies it holds);
+    a live one retraces in the new form once `pack_live` has remade the copies."""
     global _ON
     _ON = bool(on)
 
@@ -197,7 +215,11 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.T
                          "makes it, and x a CPU tensor")
     if bias is not None and bias.numel() != n:
         raise ValueError(f"bf16_rows.linear: bias has {bias.numel()} elements, n={n}")
+    if n < 0:
+        raise ValueError(f"bf16_rows.linear: n must be >= 0, got {n}")
     x = x.contiguous()
+    if x.data_ptr() % 4:  # the kernel reads x in pairs of bf16 (4 bytes): a view at an odd offset is copied
+        x = x.clone()
     b = None if bias is None else bias.detach().float().contiguous()
     out = torch.empty(m, n, dtype=torch.bfloat16)
     _kernel()(x.data_ptr(), m, k, packed.data_ptr(), n, None if b is None else b.data_ptr(), out.data_ptr(),

@@ -94,12 +94,13 @@ def _model_key(model: Decoder) -> dict:
 
 
 def _cpu_kernels(model: Decoder) -> Optional[dict]:
-    """Which kernels a bf16 CPU model's linears run on (cpu_backend.packed_linear: the bf16 rows kernel,
-    oneDNN's packed linear), or None for the models they never serve (float32, a GPU's): a float32
-    engine's key neither asks for the kernel (its build) nor changes when it is turned off."""
+    """Which kernels a bf16 CPU model's linears run on (cpu_backend.packed_linear: the bf16 rows kernel
+    and whether compiled steps call it in C++, oneDNN's packed linear), or None for the models they
+    never serve (float32, a GPU's): a float32 engine's key neither asks for the kernel (its build) nor
+    changes when it is turned off."""
     if model.dtype != torch.bfloat16 or not model.embed.is_cpu:
         return None
-    return {"bf16_rows": bf16_rows.available(), "packed_bf16": packed_bf16()}
+    return {"bf16_rows": bf16_rows.available(), "bf16_rows_op_cpp": bf16_rows.op_in_cpp(), "packed_bf16": packed_bf16()}
 
 
 class RuleCache:

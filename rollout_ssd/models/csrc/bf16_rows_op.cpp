@@ -3,8 +3,8 @@
 // file builds in seconds and does not depend on torch's C++ ABI).
 //
 // Why: compiled steps call the op once per linear, and a call that enters Python (the fallback: the
-// dispatcher calls back into the interpreter, which calls the kernel through ctypes) costs several
-// times the C++ call. The checks are those of bf16_rows.linear; the sum is the same C code, so the
+// dispatcher calls back into the interpreter, which calls the kernel through ctypes) costs more than
+// the C++ call (bench/RESULTS.md, "The bf16 rows op's C++ kernel"). The checks are those of bf16_rows.linear; the sum is the same C code, so the
 // result is bitwise the fallback's.
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -24,6 +24,7 @@ static Tensor bf16_rows_op(Tensor x, Tensor packed, std::optional<Tensor> bias, 
   STD_TORCH_CHECK(x.dim() == 2 && x.scalar_type() == ScalarType::BFloat16 && x.is_cpu(),
                   "rollout_ssd::bf16_rows: x must be a 2-D bf16 CPU tensor");
   const int64_t m = x.size(0), k = x.size(1);
+  STD_TORCH_CHECK(n >= 0, "rollout_ssd::bf16_rows: n must be >= 0, got ", n);
   STD_TORCH_CHECK(k % 2 == 0 && packed.dim() == 4 && packed.scalar_type() == ScalarType::BFloat16 &&
                       packed.size(1) == k / 2 && packed.size(2) == TILE && packed.size(3) == 2 &&
                       packed.size(0) * TILE >= n,
@@ -36,6 +37,9 @@ static Tensor bf16_rows_op(Tensor x, Tensor packed, std::optional<Tensor> bias, 
     b = torch::stable::contiguous(torch::stable::to(*bias, ScalarType::Float));
   }
   Tensor xc = torch::stable::contiguous(x);
+  if (reinterpret_cast<uintptr_t>(xc.data_ptr()) % 4 != 0) {  // the kernel reads x in pairs of bf16
+    xc = torch::stable::clone(xc);
+  }
   Tensor out = torch::stable::new_empty(xc, {m, n});
   bf16_rows_linear(static_cast<const uint16_t *>(xc.data_ptr()), m, k, static_cast<const uint16_t *>(packed.data_ptr()),
                    n, b.has_value() ? static_cast<const float *>(b->data_ptr()) : nullptr,
