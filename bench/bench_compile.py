@@ -97,6 +97,20 @@ def graphs_compiled() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def warm_up(engine, prompts, params, context) -> float:
+    """One call per prompt, the pass repeated until it compiles no new graph (at most three passes), each
+    call inside `context()`; returns the seconds it took."""
+    t0 = time.perf_counter()
+    for _ in range(3):
+        before = graphs_compiled()
+        with context():
+            for prompt in prompts:
+                engine.sample([prompt], params)
+        if graphs_compiled() == before:
+            break
+    return time.perf_counter() - t0
+
+
 COMPILED = {"frozen": "frozen", "live": "live", "onednn": False}  # --compile's engines: EngineConfig.compile
 
 
@@ -122,17 +136,8 @@ def run_method(method: str, modes: list[str], target, draft, warm: list, timed: 
                                    None if method == "ar" else draft) for mode in ["eager"] + modes}
     sets = weight_sets(target) if args.update_every_call else None
     try:
-        warm_s = {}
-        for mode, engine in engines.items():
-            t0 = time.perf_counter()
-            for _ in range(3):
-                before = graphs_compiled()
-                with kernels_of(mode):
-                    for prompt in warm + timed:
-                        engine.sample([prompt], params)
-                if graphs_compiled() == before:
-                    break
-            warm_s[mode] = time.perf_counter() - t0
+        warm_s = {mode: warm_up(engine, warm + timed, params, lambda mode=mode: kernels_of(mode))
+                  for mode, engine in engines.items()}
         seconds, tokens, outputs = {m: 0.0 for m in engines}, {m: 0 for m in engines}, {m: [] for m in engines}
         graphs_before, updates = graphs_compiled(), 0
         for i, prompt in enumerate(timed):

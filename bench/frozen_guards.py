@@ -18,7 +18,7 @@ import contextlib
 import statistics
 import time
 
-from bench_compile import graphs_compiled
+from bench_compile import graphs_compiled, warm_up
 from common import add_repo_to_path, bench_prompts, machine_note, print_json_line, print_table
 
 add_repo_to_path()
@@ -60,17 +60,8 @@ def main(argv=None):
     engines = {n: RolloutEngine(target, SpecConfig(method="ar"), EngineConfig(max_batch_size=1, compile="frozen"))
                for n in names}
     try:
-        warm_s = {}
-        for name, engine in engines.items():
-            t0 = time.perf_counter()
-            for _ in range(3):
-                before = graphs_compiled()
-                with guards_of(name):
-                    for prompt in prompts:
-                        engine.sample([prompt], params)
-                if graphs_compiled() == before:
-                    break
-            warm_s[name] = time.perf_counter() - t0
+        warm_s = {name: warm_up(engine, prompts, params, lambda name=name: guards_of(name))
+                  for name, engine in engines.items()}
         rates, outputs, before = {n: [] for n in names}, {n: [] for n in names}, graphs_compiled()
         for i in range(args.passes):
             for prompt in prompts:
