@@ -54,10 +54,10 @@ def first_difference(a: list[int], b: list[int]):
 def against_generate(target, prompts, new_tokens: int, ar_row: dict, modes: list[str], bw_before: dict) -> dict:
     """transformers' `generate` on the same weights in the target's dtype (greedy, fixed length, one
     prompt per call as above), and the batch-1 memory roofline: the copy bandwidth over the bytes a
-    decode step must stream (bench_ar.py's `bytes_per_step`), the bandwidth the best of `bw_before` (taken
-    before the engines ran) and one taken now, as bench_ar.py does (a single probe moved between runs
-    by far more than the engines did); the roofline of a pure read (`sum()`) is given too. The AR rates above include
-    each call's prefill, so their share of the roofline is a lower bound."""
+    decode step must stream (bench_ar.py's `bytes_per_step`), with the better of `bw_before` (taken before
+    the engines ran) and a probe taken now, as bench_ar.py does (a single probe moved between runs by far
+    more than the engines did); the roofline of a pure read (`sum()`) is given too. The AR rates above
+    include each call's prefill, so their share of the roofline is a lower bound."""
     from bench_ar import bytes_per_step, hf_model_from, hf_run
 
     hf = hf_model_from(target).to(target.model.dtype)

@@ -50,7 +50,7 @@ def test_available_exactly_where_the_cpu_has_avx512_bf16_and_a_compiler_builds_i
     fails here with the compiler's output rather than skipping every kernel test); off when turned off."""
     if not bf16_rows.cpu_has_avx512_bf16():
         assert not bf16_rows.available()
-    elif shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc"):
+    elif shutil.which(bf16_rows.default_compiler()):
         try:
             bf16_rows.build()
         except subprocess.CalledProcessError as exc:
@@ -112,7 +112,7 @@ def test_the_op_compiled_steps_call_equals_the_eager_kernel():
     """The op runs its C++ kernel where a C++ compiler builds it (a compile error fails here with the
     compiler's output), bitwise the ctypes path's results, with and without a bias, at 1..9 rows; its
     checks name what was wrong; inside a compiled function too."""
-    if os.environ.get("ROLLOUT_SSD_BF16_ROWS_OP") != "0" and _cxx():
+    if os.environ.get("ROLLOUT_SSD_BF16_ROWS_OP") != "0" and shutil.which(bf16_rows.default_compiler(op=True)):
         try:
             bf16_rows.build(op=True)
         except subprocess.CalledProcessError as exc:
@@ -145,11 +145,6 @@ def test_the_op_compiled_steps_call_equals_the_eager_kernel():
     expected = bf16_rows.linear(x, packed, 100, bias)
     compiled = torch.compile(lambda x, p, b: torch.ops.rollout_ssd.bf16_rows(x, p, b, 100) * 2, fullgraph=True)
     assert torch.equal(compiled(x, packed, bias), expected * 2)
-
-
-def _cxx():
-    """The C++ compiler `build(op=True)` would run, where it exists ($CXX when set, as build takes it)."""
-    return shutil.which(os.environ["CXX"]) if os.environ.get("CXX") else shutil.which("c++") or shutil.which("g++")
 
 
 def _at_offset(t: torch.Tensor) -> torch.Tensor:
@@ -193,14 +188,14 @@ def test_no_rows_and_a_column_major_weight():
 @pytest.mark.skipif(not bf16_rows.cpu_has_avx512_bf16(), reason="the build targets avx512_bf16")
 def test_build_is_cached_by_source_and_a_failed_build_leaves_the_kernel_off(tmp_path, monkeypatch):
     monkeypatch.setenv("ROLLOUT_SSD_KERNEL_CACHE", str(tmp_path))
-    if not (shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")):
+    if not shutil.which(bf16_rows.default_compiler()):
         pytest.skip("no C compiler here")
     first = bf16_rows.build()  # a compile error fails here
     assert first.parent == tmp_path and first.exists()
     stamp = first.stat().st_mtime_ns
     assert bf16_rows.build() == first and first.stat().st_mtime_ns == stamp  # reused, not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left
-    if _cxx():  # the op's C++ kernel: its own key, which holds torch's version
+    if shutil.which(bf16_rows.default_compiler(op=True)):  # the op's C++ kernel: its own key, which holds torch's version
         op = bf16_rows.build(op=True)
         assert op.parent == tmp_path and op.name.startswith("bf16_rows_op-") and bf16_rows.build(op=True) == op
         op.unlink()

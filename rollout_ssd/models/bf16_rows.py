@@ -84,10 +84,19 @@ def _torch_root() -> Path:
 
 def _op_command() -> tuple[str, ...]:
     """The C++ op library's flags past the C kernel's: torch's headers, its library (the stable ABI's C
-    functions), the ABI version the source targets (2.10: every function it calls)."""
+    functions), the ABI version the source targets (OP_TORCH: every function it calls)."""
     root = _torch_root()
-    return ("-std=c++17", f"-I{root / 'include'}", "-DTORCH_TARGET_VERSION=0x020a000000000000",
+    major, minor = (int(part) for part in OP_TORCH.split("."))
+    return ("-std=c++17", f"-I{root / 'include'}", f"-DTORCH_TARGET_VERSION=0x{major:02x}{minor:02x}{0:012x}",
             f"-L{root / 'lib'}", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}")
+
+
+def default_compiler(op: bool = False) -> str:
+    """The compiler `build` runs: for the C kernel $CC, else `cc` or `gcc`; for the op's C++ kernel
+    (op) $CXX, else `c++` or `g++`."""
+    if op:
+        return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
 
 
 def build(compiler: Optional[str] = None, op: bool = False) -> Path:
@@ -95,14 +104,10 @@ def build(compiler: Optional[str] = None, op: bool = False) -> Path:
     with a C++ compiler) into the cache, once per source, flags and (op) torch version, and return the
     library's path. Concurrent builders (an engine and its SSD worker process) each write a temporary
     file and rename it, so a reader never sees half a library. Raises CalledProcessError / OSError."""
-    if op:
-        compiler = compiler or os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
-        source, flags, name = OP_SOURCE, (*FLAGS, *_op_command()), "bf16_rows_op"
-    else:
-        compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
-        source, flags, name = SOURCE, FLAGS, "bf16_rows"
+    cmd = compiler or default_compiler(op)
+    source, flags, name = (OP_SOURCE, (*FLAGS, *_op_command()), "bf16_rows_op") if op else (SOURCE, FLAGS, "bf16_rows")
     text = SOURCE.read_bytes() + (OP_SOURCE.read_bytes() + torch.__version__.encode() if op else b"")
-    key = hashlib.sha256(text + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
+    key = hashlib.sha256(text + " ".join((cmd, *flags)).encode()).hexdigest()[:16]
     dirs = [d for d in _cache_dirs() if _private(d)]
     for folder in dirs:
         if (folder / f"{name}-{key}.so").exists():
@@ -122,7 +127,7 @@ def build(compiler: Optional[str] = None, op: bool = False) -> Path:
     target = folder / f"{name}-{key}.so"
     try:
         # the linker's inputs after the source: a library named before the file that uses it is dropped
-        subprocess.run([compiler, *FLAGS, str(source), *flags[len(FLAGS):], "-o", tmp], check=True,
+        subprocess.run([cmd, *FLAGS, str(source), *flags[len(FLAGS):], "-o", tmp], check=True,
                        capture_output=True, text=True)
         os.replace(tmp, target)
     finally:
