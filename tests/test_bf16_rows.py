@@ -241,6 +241,33 @@ def test_build_is_cached_by_source_and_a_failed_build_leaves_the_kernel_off(tmp_
         bf16_rows._kernel.cache_clear()
 
 
+def test_the_ops_cpp_kernel_is_not_built_on_an_older_torch_and_any_load_failure_falls_back(monkeypatch, caplog):
+    """Below the stable ABI version the source targets, no build is tried; a build or load that fails in
+    any way (not only a compiler error) leaves the op on its Python fallback, logged, instead of raising
+    out of the kernel's loading."""
+    builds = []
+
+    def failing_build(compiler=None, op=False):
+        builds.append(op)
+        raise RuntimeError("a library torch cannot load")
+
+    monkeypatch.setattr(bf16_rows, "build", failing_build)
+    monkeypatch.delenv("ROLLOUT_SSD_BF16_ROWS_OP", raising=False)
+    try:
+        bf16_rows._op_library.cache_clear()
+        monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.9.1"))
+        assert bf16_rows._op_library() is None and builds == []
+        monkeypatch.undo()
+        monkeypatch.setattr(bf16_rows, "build", failing_build)
+        bf16_rows._op_library.cache_clear()
+        with caplog.at_level("WARNING", logger=bf16_rows.__name__):
+            assert bf16_rows._op_library() is None
+        assert builds == [True] and "a library torch cannot load" in caplog.text
+    finally:
+        monkeypatch.undo()
+        bf16_rows._op_library.cache_clear()  # the next caller loads the real library again (already loaded: a no-op)
+
+
 @needs_kernel
 def test_where_the_ops_cpp_kernel_does_not_build_the_op_falls_back_to_the_same_results(tmp_path):
     """A C++ compiler that fails (in a fresh process, as a loaded library stays for the process): the

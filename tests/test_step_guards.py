@@ -84,3 +84,8 @@ def test_a_frozen_steps_module_tensors_are_held_while_its_inputs_shapes_and_glob
             assert torch.allclose(compiled(y), y @ module.w) and counter.frame_count == 3
         finally:
             FLAG["on"] = True
+
+
+def test_a_torch_without_the_guard_filter_keeps_every_guard(monkeypatch):
+    monkeypatch.delattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe")
+    assert guard_filter("frozen") is None and guard_filter("live") is None
