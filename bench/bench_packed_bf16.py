@@ -39,8 +39,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rows", default="1,2,4,8,16,64,256")
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--hint", type=int, default=1, help="the row count oneDNN packs for (the engine uses 1)")
+    parser.add_argument("--hint", default="none", help="the row count oneDNN packs for, or 'none' (no hint: the engine's)")
+    parser.add_argument("--quick", action="store_true", help="rows 1 and 4, 3 repeats")
     args = parser.parse_args()
+    if args.quick:
+        args.rows, args.repeats = "1,4", 3
     torch.set_num_threads(args.threads)
     from rollout_ssd.models.cpu_backend import cpu_kind, packed_bf16
 
@@ -49,7 +52,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     weights = [(torch.randn(o, i, generator=gen) * 0.05).to(torch.bfloat16) for o, i in shapes]
     gb = sum(w.numel() for w in weights) * 2 / 1e9
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, args.hint) for w in weights]
+    hint = None if args.hint == "none" else int(args.hint)
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, hint) for w in weights]
     rows = []
     for m in (int(x) for x in args.rows.split(",")):
         xs = {k: torch.randn(m, k, generator=gen).to(torch.bfloat16) for k in (h, inter)}
@@ -63,7 +67,7 @@ def main() -> None:
                      "packed GB/s": gb / fast, "speedup": plain / fast, "bitwise equal": equal})
     print_table(rows)
     print_json_line({"bench": "packed_bf16", "machine": machine_note(), "cpu_kind": cpu_kind(),
-                     "packed_path_on": packed_bf16(), "weights_gb": gb, "threads": args.threads, "hint": args.hint,
+                     "packed_path_on": packed_bf16(), "weights_gb": gb, "threads": args.threads, "hint": hint,
                      "rows": rows})
 
 

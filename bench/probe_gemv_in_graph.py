@@ -84,7 +84,7 @@ def main(argv=None):
     mb = sum(w.numel() for w in ws) * 2 / 1e6
     gen = torch.Generator().manual_seed(1)
     xs = {k: torch.randn(args.rows, k, generator=gen).to(torch.bfloat16) for k in (576, 1536)}
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in ws]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws]
     blocks = [w.view(w.shape[0] // 16, 16, w.shape[1]).permute(0, 2, 1).contiguous() for w in ws]
     rows_packed = [bf16_rows.pack(w) for w in ws] if bf16_rows.available() else None
     xs.update({k // 2: xs[k] for k in (576, 1536)})  # the rows kernel's copies have K / 2 pairs as dim 1

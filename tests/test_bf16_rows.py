@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollout_ssd.models import bf16_rows
-from rollout_ssd.models.cpu_backend import BF16_ROWS_MAX_ROWS, WeightCopies, packed_linear
+from rollout_ssd.models import bf16_rows, cpu_backend
+from rollout_ssd.models.cpu_backend import WeightCopies, packed_linear, rows_kernel_rows
 
 needs_kernel = pytest.mark.skipif(not bf16_rows.available(), reason="no avx512_bf16 or no C compiler: the kernel is off")
 
@@ -92,9 +92,11 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_thread_count():
 
 @needs_kernel
 def test_packed_linear_routes_few_rows_to_the_kernel_and_more_to_onednn():
-    w, x, bias = case(130, 64, BF16_ROWS_MAX_ROWS + 1, seed=3)
+    """Up to rows_kernel_rows() rows (32; 2 where oneDNN has AMX tiles) the kernel, above it oneDNN."""
+    assert rows_kernel_rows() == (2 if "amx_bf16" in cpu_backend.cpu_flags() else 32)
+    w, x, bias = case(130, 64, rows_kernel_rows() + 1, seed=3)
     copies = WeightCopies()
-    few = x[:BF16_ROWS_MAX_ROWS]
+    few = x[:rows_kernel_rows()]
     got = packed_linear(few[None], w, copies, "w", bias)  # [1, M, K] as the decoder passes it
     assert set(copies._copies) == {"w:rows"}
     assert torch.equal(got[0], bf16_rows.linear(few, bf16_rows.pack(w), 130, bias))
@@ -291,7 +293,7 @@ def test_where_the_ops_cpp_kernel_does_not_build_the_op_falls_back_to_the_same_r
 @pytest.mark.slow
 def test_default_bf16_decode_and_verify_steps_through_the_kernel_are_within_bf16_rounding(default_model_f32, hf_default):
     """SmolLM2 in bf16, a prompt prefilled (oneDNN: many rows), then one-row decode steps and a 5-row
-    verify-shaped extend (the kernel), against transformers' float32 logits for the same positions:
+    verify-shaped extend (the kernel; oneDNN on AMX), against transformers' float32 logits for the same positions:
     the bounds of test_model's bf16 prefill test (max error at most 2x transformers' own bf16 max error,
     mean error <= 0.35, the argmax equal to float32's wherever float32's top-2 margin exceeds 1.0)."""
     from rollout_ssd.models.loader import build_decoder
@@ -303,7 +305,7 @@ def test_default_bf16_decode_and_verify_steps_through_the_kernel_are_within_bf16
     tok = default_model_f32.tokenizer
     ids = tok("Here is a short list of European countries and their capitals, as a geography teacher "
               "would write it on the board. The capital of France is Paris. The capital of Italy is").input_ids
-    assert len(ids) > BF16_ROWS_MAX_ROWS
+    assert len(ids) > rows_kernel_rows()
     cont = tok(" Rome, and the capital of Spain is Madrid; of Germany,").input_ids[:10]
     runner = ModelRunner(model, num_slots=1, max_len=64)
     mine = [runner.prefill([0], [ids]).float()]

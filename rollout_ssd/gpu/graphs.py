@@ -15,7 +15,7 @@ eagerly, which is how its results are tested against `Decoder.forward`, or, with
 (EngineConfig.compile), as one inductor graph per step: there the per-op cost of ~120 small calls per
 eager step goes, and attention reads only the used cache length (the one dynamic size). Two kinds:
 - "frozen": the weights folded into the graph as constants, packed by inductor, the batch-1 GEMMs on
-  its C++ templates where they measure faster (a bf16 model's linears of at most BF16_ROWS_MAX_ROWS rows
+  its C++ templates where they measure faster (a bf16 model's linears of at most `rows_kernel_rows()` rows
   on the bf16 rows kernel where it runs, over its copies, held by the graph): the fastest step, for fixed
   weights. A write to any weight turns the frozen steps into live ones (compiled anew, once);
 - "live": the weights stay the graph's inputs, so a step follows every update (RL) with no recompile;

@@ -7,8 +7,8 @@ another order), never the model:
   (a decode step at batch 1); 2+ rows run W @ x.T over a cached row-major copy (`linear`,
   `WeightCopies`), with the row count padded to a width MKL has no remainder penalty at (`gemm_rows`);
 - the LM head: its GEMM form by row count (`head_matmul`);
-- bf16 on a CPU with bf16 units (`packed_linear`): at 1..BF16_ROWS_MAX_ROWS rows, where the CPU has
-  avx512_bf16, the bf16 rows kernel (bf16_rows.py: bf16 dot products over a copy in its blocked layout,
+- bf16 on a CPU with bf16 units (`packed_linear`): at 1..`rows_kernel_rows()` rows (per CPU kind), where
+  the CPU has avx512_bf16, the bf16 rows kernel (bf16_rows.py: bf16 dot products over a copy in its blocked layout,
   the weight read at memory speed, a row's result independent of its batch; within bf16 rounding of
   F.linear, not bitwise); otherwise oneDNN's linear over weights it packed once, bitwise F.linear;
 - inside a live compiled step (graphs.py, EngineConfig.compile="live"): the same kernels, as ops inductor
@@ -98,12 +98,10 @@ def describe_auto_dtype() -> str:
 
 # ------------------------------------------------------------------------------ layouts and copies
 def layer_weight(rows: int, cols: int, dtype: torch.dtype) -> nn.Parameter:
-    """A frozen [rows, cols] layer weight matrix (zeros). float32 ones are stored column-major (their
-    transpose is contiguous): F.linear(x, w) is then a plain x @ w.T GEMM over a row-major operand,
-    which at batch 1 streams the weights at the memory's read bandwidth where MKL's GEMV over the
-    row-major layout does not, and is as fast or faster at 2..32 rows (AVX2 EPYC, MKL 2024.2). Shapes,
-    names and values are unchanged; only strides differ. Other dtypes keep the row-major layout (not
-    measured)."""
+    """A frozen [rows, cols] layer weight matrix (zeros). float32 ones are stored column-major: F.linear(x, w)
+    is then an x @ w.T GEMM over a row-major operand, which at batch 1 streams the weights at the read
+    bandwidth where MKL's GEMV over the row-major layout does not, and is as fast or faster at 2..32 rows
+    (AVX2 EPYC, MKL 2024.2). Only strides differ. Other dtypes keep the row-major layout (not measured)."""
     if dtype == torch.float32:
         return nn.Parameter(torch.zeros(cols, rows, dtype=dtype).t(), requires_grad=False)
     return nn.Parameter(torch.zeros(rows, cols, dtype=dtype), requires_grad=False)
@@ -115,10 +113,8 @@ class WeightCopies:
     in-place op on it or on a view of it, as loaders, update_weights and weight sync do, bumps the
     shared version counter; only writes through `.data` would not, and nothing here makes them). The
     entry holds `w` itself, so a replaced weight's storage cannot be reused at the same address while
-    its copy is cached. Each copy costs its weight's size in memory.
-
-    Used for the LM head's column-major copy (one-row logits) and the layers' row-major copies
-    (`linear`, 2+ rows)."""
+    its copy is cached. Each copy costs its weight's size in memory. Used for the LM head's column-major
+    copy (one-row logits), the layers' row-major copies (`linear`, 2+ rows) and the packed bf16 ones."""
 
     def __init__(self):
         self._copies: dict[str, tuple[torch.Tensor, torch.Tensor, tuple[int, int]]] = {}
@@ -181,13 +177,21 @@ def packed_bf16() -> bool:
 
 
 def _pack(w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(w, 1)
+    """oneDNN's packed copy of w, no row hint (packed for 1 row, AMX ran non-F.linear kernels above 32 rows)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w, None)
 
 
-# At 1..BF16_ROWS_MAX_ROWS rows on a CPU with avx512_bf16, bf16 linears run bf16_rows.py's kernel (bf16 dot
-# products, the weight read at memory speed) over a copy in its layout; oneDNN's packed linear above that
-# (bench/RESULTS.md, "bf16 kernel for a few rows").
-BF16_ROWS_MAX_ROWS = 32
+# bf16 linears of 1..rows_kernel_rows() rows run bf16_rows.py's kernel (bf16 dot products, the weight read at
+# memory speed) over a copy in its layout where the CPU has avx512_bf16, oneDNN's packed linear above that;
+# where oneDNN has AMX tiles, it is the faster from 3 rows (bench/RESULTS.md: "bf16 kernel for a few rows",
+# "A fifth CPU kind"). By cpu_kind(); 32 on the others.
+ROWS_KERNEL_MAX_ROWS = {"amx": 2}
+_ROWS_KERNEL_ROWS = ROWS_KERNEL_MAX_ROWS.get(cpu_kind(), 32)  # read once: compiled steps trace the plain read
+
+
+def rows_kernel_rows() -> int:
+    """The most rows a bf16 linear runs on the rows kernel on this CPU (where the kernel runs)."""
+    return _ROWS_KERNEL_ROWS
 
 
 def _rows_kernel_serves(w: torch.Tensor) -> bool:
@@ -196,13 +200,13 @@ def _rows_kernel_serves(w: torch.Tensor) -> bool:
 
 
 def _rows_kernel(x: torch.Tensor, w: torch.Tensor, m: int) -> bool:
-    return m <= BF16_ROWS_MAX_ROWS and x.dtype == torch.bfloat16 and _rows_kernel_serves(w)
+    return m <= rows_kernel_rows() and x.dtype == torch.bfloat16 and _rows_kernel_serves(w)
 
 
 def packed_linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,
                   bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """F.linear(x, w, bias) for a frozen bf16 CPU weight in the fastest form for the row count (the bf16
-    rows kernel over its packed copy at 1..BF16_ROWS_MAX_ROWS rows where it runs, else oneDNN over its
+    rows kernel over its packed copy at 1..rows_kernel_rows() rows where it runs, else oneDNN over its
     packed copy), or None where neither applies (other dtypes, devices, training, more than
     PACKED_BF16_MAX_ROWS rows). Inside a compiled step: the same kernels, as ops over the copies
     `pack_live` made. A frozen step takes only the rows kernel (its copy held by the graph; inductor's
@@ -213,7 +217,7 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: 
         if m > PACKED_BF16_MAX_ROWS:
             return None
         x2 = x.reshape(m, x.shape[-1])
-        rows = copies.live.get(name + ":rows") if m <= BF16_ROWS_MAX_ROWS else None  # made where the kernel runs
+        rows = copies.live.get(name + ":rows") if m <= rows_kernel_rows() else None  # made where the kernel runs
         if rows is not None:
             out = torch.ops.rollout_ssd.bf16_rows(x2, rows, bias, w.shape[0])
         elif not _LIVE:  # frozen: F.linear, which inductor packs itself
@@ -342,7 +346,7 @@ def warm_packed(model, rows: int = WARM_ROWS) -> None:
     where the packed form does not apply. The outputs are thrown away; nothing is written."""
     if not _packs(model):
         return
-    kernel_rows = BF16_ROWS_MAX_ROWS if bf16_rows.available() else 0  # the rows kernel has no per-shape state
+    kernel_rows = rows_kernel_rows() if bf16_rows.available() else 0  # the rows kernel has no per-shape state
     with torch.inference_mode():
         for w, bias, copies, name in _linear_weights(model):
             key = (tuple(w.shape), bias is not None, rows)
@@ -359,12 +363,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,
     """F.linear(x, w, bias); for 2+ rows of a frozen float32 CPU weight, the fastest GEMM form measured.
 
     The layers store float32 matrices column-major (`layer_weight`), the fastest form for one row. For
-    2..256 rows (verification of K+1 tokens, batched decode, prefill) MKL is faster computing W @ x.T
-    over a row-major W (2 threads, AVX2 EPYC, MKL 2024.2: at 2..9 rows the layers' GEMMs cost about
-    what one row costs, memory-bound), so frozen weights keep a row-major copy in `copies` (one more
-    copy of the layer matrices in memory), and x is padded to `gemm_rows`. With one thread, 12+ rows
-    use x @ W.T over the column-major storage instead (as fast, no remainder penalty). Weights that
-    require grad (training) use F.linear. The forms differ only in float32 rounding."""
+    2..256 rows MKL is faster computing W @ x.T over a row-major W (2 threads, AVX2 EPYC, MKL 2024.2:
+    2..9 rows cost about what one row costs), so frozen weights keep a row-major copy in `copies`, and x
+    is padded to `gemm_rows`; with one thread, 12+ rows use x @ W.T over the column-major storage (as
+    fast, no remainder penalty). Weights that require grad use F.linear. The forms differ only in
+    float32 rounding."""
     packed = packed_linear(x, w, copies, name, bias)
     if packed is not None:
         return packed
@@ -381,11 +384,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,
 
 
 def head_matmul(rows: torch.Tensor, head: torch.Tensor, copies: WeightCopies) -> torch.Tensor:
-    """rows [M, H] @ head.T -> [M, head rows] (the LM head, stored row-major), in the GEMM form that
-    is fastest for M on a float32 CPU head (MKL, AVX2 EPYC): M = 1 streams a column-major copy of the
-    head (faster than F.linear's GEMV, at the read bandwidth); 2 <= M <= HEAD_MM_T_MAX_ROWS computes
-    head @ rows.T (faster than rows @ head.T), padded to `gemm_rows(M)`; more rows, other dtypes,
-    devices and training use F.linear. The forms differ only in float32 rounding."""
+    """rows [M, H] @ head.T (the LM head, row-major) in the GEMM form fastest for M on a float32 CPU head
+    (MKL, AVX2 EPYC): M = 1 streams a column-major copy; 2 <= M <= HEAD_MM_T_MAX_ROWS computes head @ rows.T,
+    padded to `gemm_rows(M)`; other cases F.linear. The forms differ only in float32 rounding."""
     packed = packed_linear(rows, head, copies, "lm_head")
     if packed is not None:
         return packed
