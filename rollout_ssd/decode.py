@@ -27,6 +27,7 @@ def draw_rows(seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor,
     """One token per row from the target law, with its docs/DESIGN.md logprob, where the logits are.
     logits: [B, V]. Returns tokens [B] int64 and logprobs [B] float32."""
     temperature, top_k, top_p = row_params(seqs)
+    logits = logits.float()  # once, for the law and the logprobs alike (bitwise what each would make)
     probs = target_probs(logits, temperature, top_k, top_p)
     tokens = draw_tokens(probs, temperature <= 0, [s.generator for s in seqs])
     return tokens, full_logprobs(logits, temperature).gather(1, tokens[:, None]).squeeze(1)

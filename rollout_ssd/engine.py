@@ -29,6 +29,7 @@ from rollout_ssd.methods import BuildContext, make_strategy
 from rollout_ssd.metrics import EngineMetrics
 from rollout_ssd.models.attention import select_backend
 from rollout_ssd.models.cpu_backend import warm_packed
+from rollout_ssd.models.cpu_memory import keep_freed_memory
 from rollout_ssd.models.loader import LoadedModel, load_pretrained
 from rollout_ssd.params import Prompt, Rollout, SamplingParams
 from rollout_ssd.request import Request
@@ -109,6 +110,8 @@ class RolloutEngine:
         self.spec = spec
         self.config = engine
         self.max_model_len, slots = _context(target, engine, spec, draft)
+        if target.model.embed.is_cpu:
+            keep_freed_memory()  # a large batch's multi-MB tensors reused, not faulted in again each step
         for loaded in (target, draft):  # the attention backend of each model the engine runs, by its device
             if loaded is not None:
                 loaded.model.backend = select_backend(engine.attention, loaded.model.embed.device)

@@ -164,12 +164,16 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
 def draw_tokens(probs: torch.Tensor, greedy: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
     """Next token per row: argmax for greedy rows (no draw), one uniform from the row's generator
     otherwise. probs: [N, V]; greedy: [N] bool; generators: N generators. Returns int64 [N]."""
+    flags = greedy.tolist()  # on the host, as the engine builds it
+    rows = [i for i, g in enumerate(flags) if not g]
+    if not rows:
+        return probs.argmax(dim=-1)
+    u = torch.tensor([draw_uniform(generators[i]) for i in rows], dtype=torch.float64, device=probs.device)
+    if len(rows) == len(flags):  # every row drawn: no argmax to compute and overwrite
+        return sample_from_probs(probs, u)
     out = probs.argmax(dim=-1)
-    rows = [i for i, g in enumerate(greedy.tolist()) if not g]  # greedy: on the host, as the engine builds it
-    if rows:
-        u = torch.tensor([draw_uniform(generators[i]) for i in rows], dtype=torch.float64, device=probs.device)
-        index = torch.tensor(rows, dtype=torch.long, device=probs.device)
-        out[index] = sample_from_probs(probs[index], u)
+    index = torch.tensor(rows, dtype=torch.long, device=probs.device)
+    out[index] = sample_from_probs(probs[index], u)
     return out
 
 

@@ -152,6 +152,49 @@ def test_target_probs_and_logprobs_shortcuts_equal_the_general_path(temperature)
         assert int(target_probs(logits, alone, k[:4], p[:4])[1].argmax()) == 10
 
 
+@pytest.mark.parametrize("greedy_rows", [(), (1,), (0, 1, 2, 3)])
+def test_draw_tokens_gives_each_row_what_it_gets_alone(greedy_rows):
+    """draw_tokens over a batch all sampled (no argmax computed), mixed, or all greedy: each row's token is
+    the one it gets alone (argmax, or its own generator's inverse-CDF draw), each sampled row's generator
+    advanced by one draw."""
+    from rollout_ssd.sampling import draw_tokens
+
+    probs = torch.softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(3)) * 2, dim=-1)
+    greedy = torch.tensor([i in greedy_rows for i in range(4)])
+    gens = [sequence_generator(5, 0, b) for b in range(4)]
+    out = draw_tokens(probs, greedy, gens)
+    for b in range(4):
+        gen = sequence_generator(5, 0, b)
+        alone = draw_tokens(probs[b:b + 1], greedy[b:b + 1], [gen])
+        assert torch.equal(alone, out[b:b + 1]) and torch.equal(gen.get_state(), gens[b].get_state())
+    assert out.dtype == torch.int64 and all(int(out[b]) == int(probs[b].argmax()) for b in greedy_rows)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_bf16_logits_are_judged_as_their_float32_copy(temperature):
+    """verify and draw_rows convert 16-bit logits once: bitwise what their float32 copy gives."""
+    from types import SimpleNamespace
+
+    from rollout_ssd.decode import draw_rows
+    from rollout_ssd.params import SamplingParams
+
+    logits = (torch.randn(3, 4, 50, generator=torch.Generator().manual_seed(11)) * 3).to(torch.bfloat16)
+    tokens = torch.randint(0, 50, (3, 3), generator=torch.Generator().manual_seed(12))
+    num_draft = torch.tensor([3, 2, 0])
+    q = DenseDraft(torch.softmax(torch.randn(3, 3, 50, generator=torch.Generator().manual_seed(13)), dim=-1))
+    temp, k, p = torch.full((3,), temperature), torch.zeros(3, dtype=torch.int64), torch.ones(3)
+    results = [verify(x, tokens, num_draft, q, temp, k, p, [sequence_generator(1, 0, b) for b in range(3)])
+               for x in (logits, logits.float())]
+    for field in ("tokens", "num_accepted", "rejected", "logprobs"):
+        assert torch.equal(getattr(results[0], field), getattr(results[1], field)), field
+    params = SamplingParams(temperature=temperature, seed=1)
+    drawn = []
+    for x in (logits[:, 0], logits[:, 0].float()):
+        seqs = [SimpleNamespace(params=params, generator=sequence_generator(1, 0, b)) for b in range(3)]
+        drawn.append(draw_rows(seqs, x))
+    assert all(torch.equal(a, b) for a, b in zip(*drawn))
+
+
 def test_logprobs_are_full_log_softmax_at_emitted_tokens():
     logits, tokens, num_draft, rows, (temp, top_k, top_p) = _mixed_rows(99)
     res = verify(logits, tokens, num_draft, MixedDraft(rows), temp, top_k, top_p,

@@ -252,6 +252,7 @@ def verify(
     kmax, device = k1 - 1, target_logits.device
     greedy = (temperature <= 0).tolist()
 
+    target_logits = target_logits.float()  # once, for the law, the argmax and the logprobs (bitwise the same)
     flat_logits = target_logits.reshape(batch * k1, vocab)
     tokens_in = draft_tokens.to(device).clamp(0, vocab - 1)  # [B, Kmax], padding made a valid index
     if all(greedy):  # every row judged by its argmax alone (below): no law to build

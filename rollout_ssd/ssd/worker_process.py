@@ -24,6 +24,7 @@ import traceback
 import torch
 
 from rollout_ssd.models.cpu_backend import warm_packed
+from rollout_ssd.models.cpu_memory import keep_freed_memory
 from rollout_ssd.models.decoder import Decoder
 from rollout_ssd.ssd.messages import (
     MESSAGES,
@@ -62,6 +63,7 @@ def worker_main(args: dict) -> None:
     from rollout_ssd.ssd.tree import SaguaroRule
 
     torch.set_num_threads(1)
+    keep_freed_memory()  # as the engine does on a CPU (models/cpu_memory.py)
     if args.get("core") is not None:
         try:
             os.sched_setaffinity(0, {args["core"]})
