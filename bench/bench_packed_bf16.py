@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -18,20 +17,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine_note, print_json_line, print_table  # noqa: E402
+from bench.common import machine_note, median_seconds, print_json_line, print_table  # noqa: E402
 
 HIDDEN, INTER, LAYERS, VOCAB = 576, 1536, 30, 49152
-
-
-def median_seconds(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:

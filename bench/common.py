@@ -163,6 +163,13 @@ def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
 
 
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
+    """The median wall-clock seconds of `repeats` calls of fn, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    return median(time_call(fn, repeats))
+
+
 def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> dict:
     """Sustained DRAM bandwidth with the current torch thread count, best of `repeats`.
 

@@ -301,9 +301,9 @@ def test_saguaro_keeps_the_misses_in_the_worker(pair, ar_out):
 
 def test_beside_a_worker_the_target_prefills_on_every_core_before_the_worker(pair, ar_out, monkeypatch):
     """On a CPU split with the worker (every round SSD): the target's prefill runs on every core; the
-    worker is told of the new sequences at their first round, and the in-process speculator (made at
-    the first round that drafts SSD's misses with it) prefills on every core only once the worker has
-    answered that round, so the two prefills never share a core; greedy stays AR's."""
+    worker is told of the new sequences at their first round, and the in-process speculator (made with
+    the engine, taken up at the first round that drafts SSD's misses with it) prefills on every core only
+    once the worker has answered that round, so the two prefills never share a core; greedy stays AR's."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two CPU cores")
     import torch
@@ -314,7 +314,8 @@ def test_beside_a_worker_the_target_prefills_on_every_core_before_the_worker(pai
     wide = (os.sched_getaffinity(0), torch.get_num_threads())
     engine = ssd_engine(*pair, batch=3, k=3, worker=True)
     ssd, events = engine.strategy, []
-    assert ssd.sd is None  # made at its first use
+    assert ssd.sd is None and ssd._sd_spare is not None  # in use from its first round; made (its KV cache) with the engine
+    spare = ssd._sd_spare
     where = lambda: (os.sched_getaffinity(0), torch.get_num_threads())  # noqa: E731
     prefill, client = ssd.runner.prefill, ssd.draft.client
     send, request = client.send, client.request
@@ -327,6 +328,7 @@ def test_beside_a_worker_the_target_prefills_on_every_core_before_the_worker(pai
     assert [r.token_ids for r in engine.sample(PROMPTS, GREEDY)] == ar_out
     assert events[:4] == [("prefill", *wide), ("admit",), ("reply",), ("sd prefill", *wide)]
     assert all(e[1:] == wide for e in events if e[0] in ("prefill", "sd prefill"))
+    assert ssd.sd is spare and ssd._sd_spare is None  # the one made with the engine, taken up
     engine.close()
 
 

@@ -74,10 +74,12 @@ class SSDDecode(DecodeStrategy):
                                runner.cache.num_slots, max_model_len or runner.max_len)
         # SD rounds (and, Saguaro off, SSD's misses) while a worker process holds a CPU core: the SD
         # engine's own speculator, in this process on every core (the worker would draft on its one
-        # core). Made at the first round that drafts with it (on every core; it prefills the live
+        # core). Taken up at the first round that drafts with it (on every core; it prefills the live
         # sequences then, and each new one at admission after that): a call the rule runs AR on
-        # throughout never pays its prefill
+        # throughout never pays its prefill. Made here beside a worker, where it will be used, so that
+        # its KV cache's allocation is not a first call's cost
         self.sd: Optional[DraftModelSpeculator] = None
+        self._sd_spare = self._new_speculator() if self.draft.cores is not None else None
 
     # ------------------------------------------------------------------ one round
     def step(self, running: list[Sequence]) -> int:
@@ -136,12 +138,19 @@ class SSDDecode(DecodeStrategy):
     def _speculator(self) -> DraftModelSpeculator:
         """The SD engine's speculator in this process, made when first needed, then told of every sequence."""
         if self.sd is None:
-            self.sd = DraftModelSpeculator(self.draft.draft_model, self.draft.num_slots, self.draft.max_model_len,
-                                           stop_prob=self.config.stop_prob)
+            self.sd, self._sd_spare = self._sd_spare or self._new_speculator(), None
             live = list(self.draft.live.values())
             if live:
                 self.sd.on_admit(live)
         return self.sd
+
+    def _speculators(self) -> list[DraftModelSpeculator]:
+        """The in-process speculator in use and the one made ahead of its first round, where they exist."""
+        return [sd for sd in (self.sd, self._sd_spare) if sd is not None]
+
+    def _new_speculator(self) -> DraftModelSpeculator:
+        return DraftModelSpeculator(self.draft.draft_model, self.draft.num_slots, self.draft.max_model_len,
+                                    stop_prob=self.config.stop_prob)
 
     def _propose_sd(self, running: list[Sequence], ks: list[int]) -> Chains:
         """An SD round's chains from the in-process speculator, verified against its batch law. The round
@@ -238,8 +247,8 @@ class SSDDecode(DecodeStrategy):
     def close(self) -> None:
         self._keep_measurements()
         self.draft.close()
-        if self.sd is not None:
-            self.sd.close()
+        for sd in self._speculators():
+            sd.close()
         if self.backup is not None:
             self.backup.close()
 
@@ -250,8 +259,8 @@ class SSDDecode(DecodeStrategy):
 
     def apply_draft_update(self, update, params: dict[str, torch.Tensor], names: tuple[str, ...]) -> None:
         self.draft.apply_draft_update(update, params, names)
-        if self.sd is not None:  # it drafts with the same (now written) copy: drop what it built
-            self.sd.weights_changed()
+        for sd in self._speculators():  # it drafts with the same (now written) copy: drop what it built
+            sd.weights_changed()
 
     def on_idle(self) -> None:
         if self.draft.cores is not None:  # rounds narrowed this thread beside the worker: wide between calls
@@ -264,8 +273,9 @@ class SSDDecode(DecodeStrategy):
 
     def on_weights_changed(self) -> None:
         self.draft.on_weights_changed()
-        if self.sd is not None and self.draft.shares_target_tensors:  # a shared tensor may have changed
-            self.sd.weights_changed()
+        if self.draft.shares_target_tensors:  # a shared tensor may have changed
+            for sd in self._speculators():
+                sd.weights_changed()
 
     def draft_digest(self) -> int:
         """weights_digest of the weights the draft side holds now (asked of the worker itself)."""
