@@ -14,6 +14,7 @@ last line.
     .venv/bin/python bench/fresh_engines.py
     .venv/bin/python bench/fresh_engines.py --workloads demo --repeats 1
     .venv/bin/python bench/fresh_engines.py --rule-cache warm   # SSD engines start from the rule's cache
+    .venv/bin/python bench/fresh_engines.py --workloads grpo --ssd-rounds   # and the SSD engine's SSD rounds
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from rollout_ssd.cli import DEMO_PROMPTS  # noqa: E402
 from rollout_ssd.models.cpu_backend import cpu_kind, describe_auto_dtype  # noqa: E402
 
 WORKLOADS = ("demo", "batch1", "grpo")
+SSD_ROUND_FIELDS = ("batch", "strategy", "cold", "emitted", "seconds", "verify_seconds", "wait_seconds", "paths", "fanout")
 
 
 def workload(name: str, tokenizer, new_tokens: int = 0):
@@ -80,8 +82,11 @@ def main(argv=None):
                    help="off: no engine starts from the strategy rule's cache (a machine's first run); warm: "
                         "each SSD engine starts from the cache its predecessors left (one untimed run per "
                         "workload fills it first), as an RL actor restarted on the same machine does")
+    p.add_argument("--ssd-rounds", action="store_true",
+                   help="also list the SSD engine's rounds of SSD plans (batch, cold, seconds, wait, fan-out)")
     args = p.parse_args(argv)
     names_ = [w for w in args.workloads.split(",") if w]
+    ssd_rounds = []
     cache = False if args.rule_cache == "off" else tempfile.mkdtemp(prefix="fresh_engines_rule_")
     for w in names_ if cache else ():
         run("ssd", w, rule_cache=cache)
@@ -91,6 +96,8 @@ def main(argv=None):
         for w in names_:
             for method in ("ar", "sd", "ssd"):
                 out = run(method, w, rule_cache=cache)
+                ssd_rounds += [{"workload": w, "round": i, **{k: r[k] for k in SSD_ROUND_FIELDS}}
+                               for i, r in enumerate(out["trace"]) if args.ssd_rounds and r["strategy"].startswith("ssd")]
                 t = totals[(w, method)]
                 t["tokens"] += out["tokens"]
                 t["seconds"] += out["seconds"]
@@ -111,7 +118,10 @@ def main(argv=None):
     print(f"CPU {cpu_kind()}; dtype auto: {describe_auto_dtype()}; first call of a fresh engine, {args.repeats} runs "
           f"each; strategy rule cache {args.rule_cache}")
     print_table(rows)
-    print_json_line({"bench": "fresh_engines", "machine": machine_note(), "args": vars(args), "rows": rows})
+    if ssd_rounds:
+        print_table([{**r, "fanout": str(r["fanout"]), "paths": str(r["paths"])} for r in ssd_rounds], floatfmt=".3f")
+    print_json_line({"bench": "fresh_engines", "machine": machine_note(), "args": vars(args), "rows": rows,
+                     "ssd_rounds": ssd_rounds})
 
 
 if __name__ == "__main__":

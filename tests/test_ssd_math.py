@@ -812,6 +812,15 @@ def test_budget_capped_until_the_rule_has_chosen_at_a_batch_size():
     chooser.choose(24)
     assert chooser.budget_cap(24) is None and chooser.budget_cap(20) is None  # one bucket: 16-31
     assert chooser.budget_cap(4) == EXPLORE_TREE_ROWS // 4
+    # once chosen: the chosen plan's rounds and non-SSD ones are not capped; an SSD round of another plan
+    # (a try of a plan never timed there, a probe) only measures it and is
+    from rollout_ssd.ssd.plans import Plan, batch_bucket
+
+    chosen = chooser._choices[batch_bucket(24)]
+    assert chooser.budget_cap(24, chosen) is None and chooser.budget_cap(24, Plan.SD) is None
+    chooser._choices[batch_bucket(24)] = Plan.AR  # as where the rule chose AR at a GRPO batch
+    assert chooser.budget_cap(20, Plan.SSD_DRAFT) == max(1, EXPLORE_TREE_ROWS // 20)
+    assert chooser.budget_cap(20, Plan.AR) is None and chooser.budget_cap(20) is None
     planner = FanoutPlanner(FanoutConfig(k=3, initial_budget=8))
     assert planner.plan().budget == 8 and planner.plan(cap=2).budget == 2 and planner.plan(cap=0).budget == 1
 

@@ -234,12 +234,18 @@ class Chooser:
         ssd, best = self._cap_question(bucket, rules.strategy_scores(inputs, self.rule.config.candidates))
         return bool(ssd) and self._ssd_cap(bucket, inputs, v=1.0) > best
 
-    def budget_cap(self, batch: int) -> Optional[int]:
-        """A bound on the fan-out budget per sequence while the rule has not chosen at this batch size:
-        the exploring rounds run SSD to measure it, and a full tree over a large batch costs several verifies
-        (the first call of a fresh engine would pay them); EXPLORE_TREE_ROWS branches over the batch in
-        all. None once chosen, or with the rule off."""
-        if self.rule.config.fixed is not None or batch_bucket(batch) in self._choices:
+    def budget_cap(self, batch: int, plan: Optional[Plan] = None) -> Optional[int]:
+        """A bound on the fan-out budget per sequence while the rule has not chosen at this batch size,
+        and for a round of `plan` (the round's plan) that only measures it: an SSD plan other than the
+        one chosen there (`_unmeasured`'s tries, `_probe`'s rounds). Such rounds run SSD to measure it,
+        and a full tree over a large batch costs several verifies (the first call of a fresh engine
+        would pay them; at a GRPO batch two tries at 21 sequences cost 2.2 s, bench/RESULTS.md, "A fifth
+        CPU kind"); EXPLORE_TREE_ROWS branches over the batch in all. None once chosen for the plan
+        chosen, or with the rule off."""
+        if self.rule.config.fixed is not None:
+            return None
+        chosen = self._choices.get(batch_bucket(batch))
+        if chosen is not None and (plan is None or plan is chosen or not plan.is_ssd):
             return None
         return max(1, EXPLORE_TREE_ROWS // batch)
 

@@ -85,8 +85,8 @@ class SSDDecode(DecodeStrategy):
     def step(self, running: list[Sequence]) -> int:
         """One round: its plan, docs/THEORY.md §2's four steps (module docstring), then its counts."""
         t0 = time.perf_counter()
-        fanout = self.planner.plan(cap=self.chooser.budget_cap(len(running)))
         plan = self.chooser.choose(len(running), fallback=self.draft.fallback)
+        fanout = self.planner.plan(cap=self.chooser.budget_cap(len(running), plan))
         ks = chain_lengths(running, self.k)
         sd, cores = self._share(plan)  # SD in this process; the target's CPU share beside a worker
         # 1. the last verdicts out, this round's chains in (the cache, the draft on demand, a fast backup)
