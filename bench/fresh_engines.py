@@ -96,8 +96,9 @@ def main(argv=None):
         for w in names_:
             for method in ("ar", "sd", "ssd"):
                 out = run(method, w, rule_cache=cache)
-                ssd_rounds += [{"workload": w, "round": i, **{k: r[k] for k in SSD_ROUND_FIELDS}}
-                               for i, r in enumerate(out["trace"]) if args.ssd_rounds and r["strategy"].startswith("ssd")]
+                if args.ssd_rounds:
+                    ssd_rounds += [{"workload": w, "round": i, **{k: r[k] for k in SSD_ROUND_FIELDS}}
+                                   for i, r in enumerate(out["trace"]) if r["strategy"].startswith("ssd")]
                 t = totals[(w, method)]
                 t["tokens"] += out["tokens"]
                 t["seconds"] += out["seconds"]

@@ -2,7 +2,7 @@
 with and without the allocator setting the engine makes on a CPU (models/cpu_memory.py: freed blocks kept
 for reuse), each side in its own fresh process, taking turns. Over SmolLM2's 49,152-token vocabulary;
 rows 5 / 24 / 120 are a K = 4 verify at batch 1, an AR step at the GRPO batch and its verify. Table of
-median ms per call, then one JSON line.
+ms per call (each process's median, and the median over the processes of a side), then one JSON line.
 
     .venv/bin/python bench/logits_ops.py
     .venv/bin/python bench/logits_ops.py --quick
@@ -65,7 +65,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
         print(json.dumps(child(rows, args.repeats)))
         return
-    from common import machine_note, print_json_line, print_table
+    from common import machine_note, median, print_json_line, print_table
 
     runs = {"off": [], "on": []}
     for _ in range(args.rounds):
@@ -81,9 +81,10 @@ def main(argv=None):
     table = []
     for key in runs["off"][0]:
         n, op = key.split("|")
-        off = sorted(r[key] for r in runs["off"])[len(runs["off"]) // 2]
-        on = sorted(r[key] for r in runs["on"])[len(runs["on"]) // 2]
-        table.append({"rows": int(n), "op": op, "ms, kept off": off, "ms, kept on": on, "off / on": off / on})
+        off, on = (median([r[key] for r in runs[side]]) for side in ("off", "on"))
+        table.append({"rows": int(n), "op": op, "ms, kept off": off, "ms, kept on": on, "off / on": off / on,
+                      "off, each process": " ".join(f"{r[key]:.2f}" for r in runs["off"]),
+                      "on, each process": " ".join(f"{r[key]:.2f}" for r in runs["on"])})
     print_table(table)
     print_json_line({"bench": "logits_ops", "machine": machine_note(), "args": vars(args), "rows": table,
                      "runs": runs})

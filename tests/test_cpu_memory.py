@@ -1,6 +1,7 @@
 """models/cpu_memory.py: with the allocator keeping freed blocks, a freed multi-MB tensor stays resident
 for reuse (read from /proc/self/statm, in a fresh process each, so the suite's own allocator state does
-not matter); turned off, or with the user's own glibc settings, nothing is changed."""
+not matter); turned off, or with the user's own glibc settings, nothing is changed; an engine on a CPU
+applies them."""
 
 from __future__ import annotations
 
@@ -55,3 +56,27 @@ def test_a_freed_large_tensor_stays_in_the_process_for_the_next_one():
 @glibc
 def test_the_users_own_glibc_settings_stand():
     assert _child(MALLOC_TRIM_THRESHOLD_="1000000")["applied"] is False
+
+
+ENGINE_CHILD = """
+import json, sys
+from rollout_ssd import RolloutEngine
+from rollout_ssd.models import cpu_memory
+from rollout_ssd.models.loader import load_pretrained
+before = cpu_memory._applied
+RolloutEngine(load_pretrained(sys.argv[1], dtype="float32"))
+print(json.dumps({"before": before, "after": cpu_memory._applied}))
+"""
+
+
+@glibc
+def test_an_engine_on_a_cpu_applies_the_settings(tmp_path):
+    """Making an engine on a CPU is what applies them (a fresh process: nothing applied before it)."""
+    from tests.support.models import build_tiny
+
+    build_tiny(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")}
+    env["ROLLOUT_SSD_KEEP_FREED_MEMORY"] = "1"
+    out = subprocess.run([sys.executable, "-c", ENGINE_CHILD, str(tmp_path)], env=env, capture_output=True,
+                         text=True, timeout=120, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"before": None, "after": True}

@@ -136,9 +136,11 @@ class SSDDecode(DecodeStrategy):
         return plan is Plan.SSD_DRAFT and self.draft.cores is not None and self.config.saguaro_c == 1.0
 
     def _speculator(self) -> DraftModelSpeculator:
-        """The SD engine's speculator in this process, made when first needed, then told of every sequence."""
+        """The SD engine's speculator in this process, taken up (made, where it was not made with the
+        engine) when first needed, then told of every sequence."""
         if self.sd is None:
-            self.sd, self._sd_spare = self._sd_spare or self._new_speculator(), None
+            self.sd = self._sd_spare if self._sd_spare is not None else self._new_speculator()
+            self._sd_spare = None
             live = list(self.draft.live.values())
             if live:
                 self.sd.on_admit(live)
@@ -154,7 +156,7 @@ class SSDDecode(DecodeStrategy):
 
     def _propose_sd(self, running: list[Sequence], ks: list[int]) -> Chains:
         """An SD round's chains from the in-process speculator, verified against its batch law. The round
-        that makes the speculator holds its prefill of the live sequences: a one-off, timed as a first round."""
+        that takes the speculator up holds its prefill of the live sequences: a one-off, timed as a first round."""
         fresh = self.sd is None
         rnd = Chains.empty([fresh or self.draft.is_first_round(s) for s in running])
         sd = self._speculator()
@@ -193,7 +195,7 @@ class SSDDecode(DecodeStrategy):
         waits for them to build the next cache), each verified against its own q."""
         if cores is not None:
             cores.widen()
-        if self.sd is None:  # made here, with the live sequences' prefill: a one-off, timed as a first round
+        if self.sd is None:  # taken up here, with the live sequences' prefill: a one-off, timed as a first round
             rnd.first = [True] * len(running)
         rnd.drafted_here = (len(rows), _fill(rnd, rows, running, ks, self._speculator(), "draft"))
         if cores is not None:
