@@ -17,7 +17,9 @@ glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0
                            reason="the settings are glibc's")
 
 # a 23.6 MB tensor (a verify's float logits at 24 x 5 rows over SmolLM2's vocabulary), written and freed:
-# what stays resident afterwards
+# what stays resident afterwards. The same op on a 1 MB tensor first, so that what torch sets up on its
+# first op (thread pool, kernels; 1.5 MB on one CPU, 7.4 MB on CI's) is resident before the measurement.
+BLOCK = 120 * 49152 * 4
 CHILD = """
 import json, os, torch
 from rollout_ssd.models.cpu_memory import keep_freed_memory
@@ -25,12 +27,13 @@ applied = keep_freed_memory()
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+w = torch.ones(120, 2048)
+del w
 before = rss()
 x = torch.ones(120, 49152)
 del x
 print(json.dumps({"applied": applied, "again": keep_freed_memory(), "kept": rss() - before}))
 """
-MB = 1 << 20
 
 
 def _child(**env) -> dict:
@@ -43,14 +46,16 @@ def _child(**env) -> dict:
 @glibc
 def test_a_freed_large_tensor_stays_in_the_process_for_the_next_one():
     """With the settings, a freed 23.6 MB block stays resident, for the next tensors to reuse without
-    faulting its pages in; without them glibc returns it to the kernel on free (its first such block
-    comes from mmap), and a step at a large batch faults it in again (bench/RESULTS.md, "A fifth CPU
-    kind": the page faults a step pays)."""
+    faulting its pages in; without them glibc returns it to the kernel on free (a block above the dynamic
+    mmap threshold, which the 1 MB warm-up raised only to 1 MB, comes from mmap), and a step at a large
+    batch faults it in again (bench/RESULTS.md, "A fifth CPU kind": the page faults a step pays)."""
     kept, off = _child(ROLLOUT_SSD_KEEP_FREED_MEMORY="1"), _child(ROLLOUT_SSD_KEEP_FREED_MEMORY="0")
     assert kept["applied"] and kept["again"]  # applied once; a second call says so without applying again
-    assert kept["kept"] >= 20 * MB, kept
+    # the block stays (less the warm-up's freed 1 MB, which it reuses where that is kept too) or goes
+    # (less than half of it is left: whatever else the op leaves resident is small beside it)
+    assert kept["kept"] >= 0.85 * BLOCK, kept
     assert not off["applied"] and not off["again"]
-    assert off["kept"] < 4 * MB, off
+    assert off["kept"] < 0.5 * BLOCK, off
 
 
 @glibc
