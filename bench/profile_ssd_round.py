@@ -26,14 +26,12 @@ import argparse
 import time
 
 import torch
-from common import add_repo_to_path, bench_prompts, machine_note, print_json_line, print_table
+from common import add_repo_to_path, bench_prompts, load_default_pair, machine_note, print_json_line, print_table
 
 add_repo_to_path()
 
 from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig  # noqa: E402
 from rollout_ssd import metric_names as names  # noqa: E402
-from rollout_ssd.models.loader import load_pretrained  # noqa: E402
-from rollout_ssd.models.registry import resolve_draft  # noqa: E402
 from rollout_ssd.ssd.rule import sd_speedup, ssd_speedup  # noqa: E402
 
 
@@ -46,9 +44,11 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--prompt-set", default="templates", choices=("templates", "unseen"))
-    p.add_argument("--draft", default="default", help="a draft checkpoint directory (default: the built-in)")
+    p.add_argument("--draft", default="default", help="default (the built-in), target-int4, or a draft checkpoint directory")
     p.add_argument("--ssd-stop-prob", type=float, default=None,
                    help="the SSD engine's stop_prob (its misses' and SD rounds' early stop); default: SD's")
+    p.add_argument("--fanout", default="", help="SSD's manual fan-out F_0..F_k, comma-separated (default: the planner)")
+    p.add_argument("--budget", type=int, default=None, help="SSD's fan-out budget (default: sized from timings)")
     p.add_argument("--quick", action="store_true", help="2 prompts, 16 tokens")
     args = p.parse_args(argv)
     if args.quick:
@@ -140,14 +140,16 @@ def run_interleaved(engines, prompts, params, batch) -> list[tuple[int, float]]:
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(1)
-    target = load_pretrained("smollm2-135m-instruct", dtype=args.dtype)
-    draft = load_pretrained(resolve_draft(args.draft, "smollm2-135m-instruct"), dtype=args.dtype,
-                            with_tokenizer=False, share_embedding_from=target.model)
+    target, draft = load_default_pair(args.draft, dtype=args.dtype)
     prompts = bench_prompts(target.tokenizer, args.prompt_set, args.prompts)
     cfg = EngineConfig(max_batch_size=args.batch, max_model_len=max(map(len, prompts)) + args.new_tokens + 8)
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
     sd = RolloutEngine(target, SpecConfig(method="sd", k=args.k), cfg, draft=draft)
     stop = {} if args.ssd_stop_prob is None else {"stop_prob": args.ssd_stop_prob}
+    if args.fanout:
+        stop["fanout"] = tuple(int(f) for f in args.fanout.split(","))
+    if args.budget:
+        stop["budget"] = args.budget
     ssd = RolloutEngine(target, SpecConfig(method="ssd", k=args.k, strategy_rule=False, **stop), cfg, draft=draft)
     probe = RoundProbe(ssd)
     probe.hook_round_end()

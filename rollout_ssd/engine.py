@@ -31,6 +31,8 @@ from rollout_ssd.models.attention import select_backend
 from rollout_ssd.models.cpu_backend import warm_packed
 from rollout_ssd.models.cpu_memory import keep_freed_memory
 from rollout_ssd.models.loader import LoadedModel, load_pretrained
+from rollout_ssd.models.quant import int4_draft
+from rollout_ssd.models.registry import INT4_DRAFT
 from rollout_ssd.params import Prompt, Rollout, SamplingParams
 from rollout_ssd.request import Request
 from rollout_ssd.runner import ModelRunner
@@ -144,7 +146,9 @@ class RolloutEngine:
         """Load the target (and draft) and build an engine. engine_options are EngineConfig fields.
         device: where the target runs, and the draft model the engine holds (SD's draft; under SSD the
         copy that validates updates and serves the fallback). draft_device (SSD): where the draft side
-        runs; default the next GPU when there is one, else the target's device."""
+        runs; default the next GPU when there is one, else the target's device. draft: "default" (the
+        target's built-in draft), "target-int4" (the target's own weights in int4, models/quant.py: CPU
+        only, following every target update), or a checkpoint."""
         from rollout_ssd.gpu.devices import check_device, default_draft_device
 
         dev = check_device(device)
@@ -160,7 +164,9 @@ class RolloutEngine:
         loaded = load_pretrained(target, dtype=dtype)
         loaded.model.to(dev)
         draft_loaded = None
-        if draft is not None:
+        if draft == INT4_DRAFT:
+            draft_loaded = int4_draft(loaded)
+        elif draft is not None:
             from rollout_ssd.models.registry import resolve_draft
 
             draft_loaded = load_pretrained(resolve_draft(draft, target), dtype=dtype, with_tokenizer=False,

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout_ssd.models import bf16_rows
+from rollout_ssd.models import bf16_rows, quant
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,7 @@ def cpu_flags() -> frozenset:
 
 @functools.cache
 def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo ("" where there is none)."""
-    return _cpuinfo("model name")
+    return _cpuinfo("model name")  # "" where /proc/cpuinfo has none
 
 
 @functools.cache
@@ -83,9 +82,8 @@ def native_bf16() -> bool:
 def auto_dtype() -> torch.dtype:
     """What `dtype="auto"` loads: bfloat16 where bf16 matmuls run natively, else float32 (without them
     PyTorch emulates bf16, and prefill and batched decode run several times slower than float32)."""
-    dtype = torch.bfloat16 if native_bf16() else torch.float32
     log.info("dtype auto: %s", describe_auto_dtype())
-    return dtype
+    return torch.bfloat16 if native_bf16() else torch.float32
 
 
 def describe_auto_dtype() -> str:
@@ -119,6 +117,7 @@ class WeightCopies:
     def __init__(self):
         self._copies: dict[str, tuple[torch.Tensor, torch.Tensor, tuple[int, int]]] = {}
         self.live: dict[str, torch.Tensor] = {}  # packed copies a live compiled step reads (`pack_live`)
+        self.int4_group: Optional[int] = None  # set by quant.quantize_int4: the linears run in int4
 
     def get(self, name: str, w: torch.Tensor, make) -> torch.Tensor:
         hit = self._copies.get(name)
@@ -132,13 +131,11 @@ class WeightCopies:
         return len(self._copies)
 
 
-# ------------------------------------------------------------------------------ GEMM forms
 # MKL's W @ x.T (N = the row count M) runs a slow remainder path when M is off a multiple of 4 or 8
 # (bench/RESULTS.md, "GEMM widths"). `linear` and the LM head pad x with zero rows to `gemm_rows(M)`:
 # up to 16 the widths where padding won in that run, above it the next multiple of 8.
 _PAD_SMALL = {3: 4, 7: 8, 12: 16, 13: 16, 14: 16, 15: 16}
-# With one thread, x @ W.T over the column-major storage is as fast as W @ x.T from 12 rows on and has
-# no remainder penalty (same run), so 12+ rows use it there.
+# One thread: x @ W.T over the column-major storage is as fast as W @ x.T from 12 rows on, no remainder penalty
 ONE_THREAD_COLUMN_MAJOR_ROWS = 12
 # The LM head computes head @ rows.T up to this many rows, F.linear above (same run).
 HEAD_MM_T_MAX_ROWS = 64
@@ -152,8 +149,7 @@ def gemm_rows(m: int) -> int:
 
 
 def padded_mm_t(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """(w @ x.T).T for x [M, K] (a non-contiguous view), computed over gemm_rows(M) rows (the zero rows'
-    outputs dropped)."""
+    """(w @ x.T).T for x [M, K] (a non-contiguous view), over gemm_rows(M) rows (zero rows' outputs dropped)."""
     m = x.shape[0]
     padded = gemm_rows(m)
     if padded == m:
@@ -280,7 +276,7 @@ def pack_live(model) -> None:
     if not _packs(model):
         return
     with torch.inference_mode():
-        for w, _, copies, name in _linear_weights(model):
+        for w, _, copies, name in linear_weights(model):
             if packed_bf16():
                 copies.live[name] = copies.get(name + ":packed", w, _pack)
             if _rows_kernel_serves(w):
@@ -291,11 +287,12 @@ def pack_live(model) -> None:
 
 def _packs(model) -> bool:
     """Whether a model's linears run over packed copies (oneDNN's, the bf16 rows kernel's): a bf16 CPU
-    model where `packed_bf16` or `bf16_rows.available()`."""
-    return (packed_bf16() or bf16_rows.available()) and model.dtype == torch.bfloat16 and model.embed.is_cpu
+    model where `packed_bf16` or `bf16_rows.available()`, not an int4 draft."""
+    return (packed_bf16() or bf16_rows.available()) and model.dtype == torch.bfloat16 and model.embed.is_cpu \
+        and model.copies.int4_group is None
 
 
-def _linear_weights(model) -> list:
+def linear_weights(model) -> list:
     """(weight, bias, its WeightCopies, name) for every linear of a Decoder: the layers' four, and the LM
     head."""
     out = [(getattr(layer, name), bias, layer.row_major, name) for layer in model.layers
@@ -348,7 +345,7 @@ def warm_packed(model, rows: int = WARM_ROWS) -> None:
         return
     kernel_rows = rows_kernel_rows() if bf16_rows.available() else 0  # the rows kernel has no per-shape state
     with torch.inference_mode():
-        for w, bias, copies, name in _linear_weights(model):
+        for w, bias, copies, name in linear_weights(model):
             key = (tuple(w.shape), bias is not None, rows)
             sizes = range(kernel_rows + 1, rows + 1) if key not in _WARMED else ()  # oneDNN's kernels, once
             for m in {1, *sizes}:  # 1: the first form's copy (the rows kernel's where it runs)
@@ -360,14 +357,15 @@ def warm_packed(model, rows: int = WARM_ROWS) -> None:
 
 def linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,
            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear(x, w, bias); for 2+ rows of a frozen float32 CPU weight, the fastest GEMM form measured.
-
-    The layers store float32 matrices column-major (`layer_weight`), the fastest form for one row. For
-    2..256 rows MKL is faster computing W @ x.T over a row-major W (2 threads, AVX2 EPYC, MKL 2024.2:
-    2..9 rows cost about what one row costs), so frozen weights keep a row-major copy in `copies`, and x
-    is padded to `gemm_rows`; with one thread, 12+ rows use x @ W.T over the column-major storage (as
-    fast, no remainder penalty). Weights that require grad use F.linear. The forms differ only in
-    float32 rounding."""
+    """F.linear(x, w, bias); for 2+ rows of a frozen float32 CPU weight, the fastest GEMM form measured
+    (int4 where the model was made an int4 draft, quant.py). The layers store float32 matrices
+    column-major (`layer_weight`), the fastest form for one row. For 2..256 rows MKL is faster computing
+    W @ x.T over a row-major W (2 threads, AVX2 EPYC, MKL 2024.2: 2..9 rows cost about what one row
+    costs), so frozen weights keep a row-major copy in `copies`, and x is padded to `gemm_rows`; with
+    one thread, 12+ rows use x @ W.T over the column-major storage (as fast, no remainder penalty).
+    Weights that require grad use F.linear. The forms differ only in float32 rounding."""
+    if copies.int4_group is not None:
+        return quant.linear(x, w, copies, name, bias)
     packed = packed_linear(x, w, copies, name, bias)
     if packed is not None:
         return packed
@@ -386,7 +384,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,
 def head_matmul(rows: torch.Tensor, head: torch.Tensor, copies: WeightCopies) -> torch.Tensor:
     """rows [M, H] @ head.T (the LM head, row-major) in the GEMM form fastest for M on a float32 CPU head
     (MKL, AVX2 EPYC): M = 1 streams a column-major copy; 2 <= M <= HEAD_MM_T_MAX_ROWS computes head @ rows.T,
-    padded to `gemm_rows(M)`; other cases F.linear. The forms differ only in float32 rounding."""
+    padded to `gemm_rows(M)`; other cases F.linear. The forms differ only in float32 rounding (int4: `linear`)."""
+    if copies.int4_group is not None:
+        return quant.linear(rows, head, copies, "lm_head")
     packed = packed_linear(rows, head, copies, "lm_head")
     if packed is not None:
         return packed

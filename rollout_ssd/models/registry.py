@@ -41,6 +41,10 @@ def assets_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "assets"
 
 
+# draft="target-int4": the target's own weights in int4 (models/quant.py), made at load, following the target
+INT4_DRAFT = "target-int4"
+
+
 def resolve_draft(draft: str, target: str) -> str:
     """`draft="default"` -> the built-in draft of a built-in target; anything else is returned as is."""
     if draft != "default":

@@ -205,6 +205,7 @@ class WorkerClient(DraftClient):
             "weights_path": weights_path, "manifest": manifest,
             "model_config": dataclasses.asdict(draft_model.cfg), "inv_freq": draft_model.inv_freq.tolist(),
             "rope_scaling": float(draft_model.rope_scaling), "dtype": str(draft_model.dtype).replace("torch.", ""),
+            "int4_group": getattr(draft_model, "int4_group", None),  # an int4 draft (models/quant.py)
             "num_slots": num_slots, "max_model_len": max_model_len, "k": config.k,
             "max_branches": config.max_branches, "C": config.saguaro_c, "c_min": config.c_min, "core": core,
             "draft_version": int(draft_version),

@@ -54,6 +54,10 @@ def _load_model(args: dict) -> Decoder:
     for name, dt, shape, off, nbytes in args["manifest"]:
         state[name] = raw[off: off + nbytes].view(getattr(torch, dt)).view(shape)
     load_state(model, state)
+    if args.get("int4_group") is not None:  # the target's own weights as an int4 draft (models/quant.py)
+        from rollout_ssd.models.quant import quantize_int4
+
+        quantize_int4(model, args["int4_group"])
     return model.eval()
 
 

@@ -1,0 +1,116 @@
+"""The target's own weights in int4 as a draft model: `quantize_int4` and the linears it makes run.
+
+Why: SSD can gain over SD only the share of an SD round the drafting takes (THEORY.md, Corollary 9),
+and a draft gains only as far as it agrees with the target. A small distilled draft is cheap but agrees
+little; the target itself, its weights rounded to 4 bits, agrees far more and costs well under a target
+step at a few rows, since a step at a few rows is bound by reading the weights and int4 reads a quarter
+of bf16's bytes. It is also a draft that never drifts from the policy: it is made from the policy's own
+weights, so every target update is the draft's update too.
+
+How: every linear of a quantized model (its layers' projections and the LM head) runs torch's CPU int4
+kernel (`aten._weight_int4pack_mm_for_cpu`) over an int4 copy of the weight, made in the model's
+`WeightCopies` on first use and made again whenever the weight is written (an update). Groups of
+`group` consecutive input columns per output row share a scale and an offset (asymmetric min/max
+rounding, as torch's kernel expects: w ~ (q - 8) * scale + zero with q in 0..15). The bf16 or float32
+weights stay in the model: they are what updates write and what the copies are made from.
+
+A quantized model is a draft only: its logits are not the target's, so nothing here is lossless on its
+own; verification against the unquantized target keeps the engine's outputs exact.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+INT4_GROUPS = (32, 64, 128)
+DEFAULT_GROUP = 32
+
+
+def available() -> bool:
+    """Whether this torch build has the CPU int4 kernels."""
+    ops = torch.ops.aten
+    return hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
+
+
+def int4_codes(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (codes [N, K] int32 in 0..15, scales_zeros [K / group, N, 2] float32): per group of
+    `group` columns of a row, scale = (max - min) / 15 and zero = min + 8 * scale, so that
+    (codes - 8) * scale + zero is w rounded to the group's 16 levels."""
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"int4 groups of {group} columns need a multiple of {group} columns, got {k}")
+    g = w.detach().float().reshape(n, k // group, group)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    codes = ((g - lo) / scale).round().clamp(0, 15).to(torch.int32).reshape(n, k)
+    zero = lo + 8 * scale
+    return codes, torch.stack((scale.squeeze(-1), zero.squeeze(-1)), -1).transpose(0, 1).contiguous()
+
+
+def dequantize(codes: torch.Tensor, scales_zeros: torch.Tensor, group: int) -> torch.Tensor:
+    """The float32 [N, K] weight the codes stand for (the reference the kernel is tested against)."""
+    n, k = codes.shape
+    scale, zero = scales_zeros[..., 0].t().unsqueeze(-1), scales_zeros[..., 1].t().unsqueeze(-1)
+    return ((codes.reshape(n, k // group, group).float() - 8) * scale + zero).reshape(n, k)
+
+
+class Int4Weight:
+    """One weight's int4 copy in the kernel's packed layout."""
+
+    def __init__(self, w: torch.Tensor, group: int):
+        codes, scales_zeros = int4_codes(w, group)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        self.scales_zeros = scales_zeros.to(w.dtype)
+        self.group = group
+        self.rows = w.shape[0]
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, copies, name: str, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x @ w.T (+ bias) with w rounded to int4 (`copies.int4_group` columns per group), over the int4
+    copy `copies` keeps for `name`."""
+    q = copies.get(name + ":int4", w, lambda t: Int4Weight(t, copies.int4_group))
+    m = x.numel() // x.shape[-1]
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(m, x.shape[-1]).to(w.dtype), q.packed, q.group,
+                                                       q.scales_zeros)
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], q.rows)
+
+
+def quantize_int4(model, group: int = DEFAULT_GROUP):
+    """Make `model` (a Decoder on a CPU, bf16 or float32) run its linears and LM head in int4 from now
+    on; returns it. Its weights stay as they are (updates still write them; each int4 copy is made again
+    after its weight changes)."""
+    if group not in INT4_GROUPS:
+        raise ValueError(f"int4 group must be one of {INT4_GROUPS}, got {group!r}")
+    if not available():
+        raise RuntimeError("this torch build has no CPU int4 kernels (aten._weight_int4pack_mm_for_cpu)")
+    if not model.embed.is_cpu or model.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"int4 drafts run on a CPU in bfloat16 or float32, got {model.dtype} on {model.embed.device}")
+    from rollout_ssd.models.cpu_backend import linear_weights  # (cpu_backend imports this module)
+
+    for copies in [model.copies] + [layer.row_major for layer in model.layers]:
+        copies.int4_group = group
+    model.int4_group = group
+    with torch.inference_mode():
+        for w, _, copies, name in linear_weights(model):  # each int4 copy made now, not in a first round
+            linear(w.new_zeros(1, w.shape[1]), w, copies, name)
+    return model
+
+
+def int4_draft(target, group: int = DEFAULT_GROUP):
+    """A draft made of the target (a LoadedModel): a Decoder over the target's own parameter tensors
+    (nothing copied), its linears in int4 (`quantize_int4`), as a LoadedModel without a tokenizer.
+    Sharing every tensor makes it follow the target: a target update writes its weights, its int4
+    copies are made again on their next use, and under SSD the draft side is sent the changed tensors
+    (ssd/draft_side.py, as for a built-in draft's shared embedding); draft updates naming them are
+    refused (draft_sync.py)."""
+    from rollout_ssd.models.decoder import Decoder
+    from rollout_ssd.models.loader import LoadedModel
+
+    src = target.model
+    model = Decoder(src.cfg, src.inv_freq, src.rope_scaling, dtype=src.dtype).to(src.embed.device)
+    model.load_state_dict(src.state_dict(keep_vars=True), assign=True)  # the target's Parameters themselves
+    return LoadedModel(quantize_int4(model.eval(), group), target.hf_config, None, f"{target.source} (int4 draft)")

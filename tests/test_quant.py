@@ -1,0 +1,126 @@
+"""models/quant.py: the target's own weights in int4 as a draft.
+
+The int4 linear against the float64 product with the dequantized weight (the same codes, scales and
+offsets; bounds from the dtype's rounding, not from the CPU); the int4 draft shares every tensor with
+the target and follows its updates; SD and SSD (worker process) with it give exactly AR's greedy tokens,
+before and after a target update; bad settings are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig
+from rollout_ssd.models import quant
+from rollout_ssd.ssd.draft_server import weights_digest
+from tests.support.models import tiny_model
+
+pytestmark = pytest.mark.skipif(not quant.available(), reason="this torch build has no CPU int4 kernels")
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14]]
+EPS = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -7}
+
+
+class _Copies:  # what quant.linear needs of a WeightCopies: get(name, w, make) and int4_group
+    def __init__(self, group):
+        self.int4_group, self._made = group, {}
+
+    def get(self, name, w, make):
+        return self._made.setdefault(name, make(w))
+
+
+def test_codes_round_each_weight_to_its_groups_nearest_level():
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(0))
+    for group in quant.INT4_GROUPS:
+        codes, sz = quant.int4_codes(w, group)
+        assert codes.min() >= 0 and codes.max() <= 15 and sz.shape == (128 // group, 48, 2)
+        scale = sz[..., 0].t().repeat_interleave(group, dim=1)  # [N, K]
+        err = (quant.dequantize(codes, sz, group) - w).abs()
+        assert (err <= scale / 2 * (1 + 1e-5) + 1e-7).all()  # half a level, up to float32 rounding
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_int4_linear_is_the_product_with_the_dequantized_weight(dtype, rows):
+    """The kernel's result against float64 x @ dequantized(w).T, with the scales and offsets in the
+    dtype the kernel reads them in: within the dtype's rounding of the output, plus float32
+    accumulation over K (bound: (K + 2) eps(float32) sum |x||w| + eps(dtype) |ref|, with a factor 4)."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(80, 96, generator=g).to(dtype)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    bias = torch.randn(80, generator=g).to(dtype)
+    copies = _Copies(32)
+    out = quant.linear(x, w, copies, "w", bias)
+    q = copies._made["w:int4"]
+    codes, sz = quant.int4_codes(w, 32)
+    deq = quant.dequantize(codes, sz.to(dtype).float(), 32).double()
+    ref = x.double() @ deq.t() + bias.double()
+    bound = 4 * ((96 + 2) * EPS[torch.float32] * (x.double().abs() @ deq.abs().t()) + EPS[dtype] * ref.abs()) + 1e-30
+    assert out.dtype == dtype and out.shape == (rows, 80) and q.rows == 80
+    assert ((out.double() - ref).abs() <= bound + EPS[dtype] * bias.double().abs() * 4).all()
+
+
+def test_bad_settings_are_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="multiple of 32 columns, got 40"):
+        quant.int4_codes(torch.zeros(8, 40), 32)
+    _, loaded = tiny_model(tmp_path / "m", hidden_size=64, intermediate_size=96, vocab_size=64)
+    with pytest.raises(ValueError, match="int4 group must be one of"):
+        quant.quantize_int4(loaded.model, 48)
+
+
+@pytest.fixture()
+def pair(tmp_path):
+    hf, loaded = tiny_model(tmp_path / "m", init="transformers", logit_scale=8.0, vocab_size=64, hidden_size=64,
+                            intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+    return hf, loaded, quant.int4_draft(loaded)
+
+
+def _greedy(engine, n=14):
+    params = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
+    return [r.token_ids for r in engine.sample(PROMPTS, params)]
+
+
+def _perturbed(loaded, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [(n, t + 0.05 * torch.randn(t.shape, generator=g)) for n, t in loaded.model.hf_parameters().items()
+            if n != "lm_head.weight"]
+
+
+def test_the_draft_is_the_targets_tensors_in_int4(pair):
+    _, loaded, draft = pair
+    target_params, draft_params = loaded.model.hf_parameters(), draft.model.hf_parameters()
+    assert target_params.keys() == draft_params.keys()
+    assert all(draft_params[n] is target_params[n] or draft_params[n].data_ptr() == target_params[n].data_ptr()
+               for n in target_params)
+    hidden = torch.randn(2, 64)
+    before = draft.model.head_logits(hidden)
+    assert not torch.equal(before, loaded.model.head_logits(hidden))  # int4, not the target's head
+    with torch.no_grad():
+        loaded.model.lm_head.mul_(1.5)  # a target write: the draft's int4 copy is made again from it
+    after = draft.model.head_logits(hidden)
+    assert not torch.equal(before, after)
+    assert torch.allclose(after, loaded.model.head_logits(hidden), rtol=0.3, atol=0.3 * after.abs().max().item())
+
+
+@pytest.mark.parametrize("method", ["sd", "ssd"])
+def test_sd_and_ssd_with_the_int4_draft_give_ar_greedy_tokens_across_an_update(pair, method):
+    """Exact: the same greedy tokens as AR, before and after a target update that the draft follows
+    (under SSD the worker process is sent the changed tensors)."""
+    _, loaded, draft = pair
+    cfg = EngineConfig(max_batch_size=4, max_model_len=64)
+    extra = {"strategy_rule": False} if method == "ssd" else {}
+    ar = RolloutEngine(loaded, SpecConfig(method="ar"), cfg)
+    spec = RolloutEngine(loaded, SpecConfig(method=method, k=3, **extra), cfg, draft=draft)
+    try:
+        assert _greedy(spec) == _greedy(ar)
+        accepted = spec.metrics(reset=True)["spec/accept_rate"]
+        assert accepted > 0.5  # the target's own weights: most drafted tokens are accepted
+        spec.update_weights(_perturbed(loaded, 3), version=1)  # the engines share the target: both see it
+        assert _greedy(spec) == _greedy(ar)
+        assert spec.metrics()["spec/accept_rate"] > 0.5  # the draft took the new weights
+        if method == "ssd":  # the worker holds the target's new weights (asked of the worker itself)
+            assert spec.metrics()["ssd/rounds"] > 0
+            assert spec.draft_sync.digest() == weights_digest(loaded.model.hf_parameters())
+    finally:
+        spec.close()
+        ar.close()
