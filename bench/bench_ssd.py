@@ -51,6 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--batches", default="1,4,16,32")
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--k", type=int, default=3)
+    p.add_argument("--draft", default="default", help="default (the built-in draft), target-int4, or a checkpoint")
     p.add_argument("--dtype", default="float32", help='the pair\'s dtype ("auto": the engine\'s default)')
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads (0: torch's default, all cores: what AR and SD get with engine defaults)")
@@ -146,7 +147,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads:  # default 1: SSD pins target and draft to one core each, AR and SD get one core too
         torch.set_num_threads(args.threads)
-    target, draft = load_default_pair(dtype=args.dtype)
+    target, draft = load_default_pair(args.draft, dtype=args.dtype)
     batches = [int(b) for b in args.batches.split(",")]
     temps = [float(t) for t in args.temperatures.split(",")] if "main" in args.parts.split(",") else []
     all_prompts = bench_prompts(target.tokenizer, args.prompt_set, max(batches + [args.batch1_prompts]))
@@ -182,7 +183,8 @@ def main(argv=None):
     if sweep_rows:
         print_table(sweep_rows, columns=["part", "setting", "tok/s", "SD tok/s", "SSD/SD", "hit", "hit warm", "accept", "fanout",
                                          "r", "pred miss", "T_p"])
-    print_json_line({"bench": "ssd", "machine": machine_note(), "dtype": args.dtype, "k": args.k, "new_tokens": args.new_tokens,
+    print_json_line({"bench": "ssd", "machine": machine_note(), "dtype": args.dtype, "k": args.k, "draft": args.draft,
+                     "new_tokens": args.new_tokens,
                      "prompt_set": args.prompt_set,
                      "rows": rows, "sweeps": sweep_rows})
 

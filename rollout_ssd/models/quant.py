@@ -67,16 +67,36 @@ class Int4Weight:
         self.rows = w.shape[0]
 
 
+def _int4_copy(copies, name: str, w: torch.Tensor) -> Int4Weight:
+    return copies.get(name + ":int4", w, lambda t: Int4Weight(t, copies.int4_group))
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, copies, name: str, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x @ w.T (+ bias) with w rounded to int4 (`copies.int4_group` columns per group), over the int4
     copy `copies` keeps for `name`."""
-    q = copies.get(name + ":int4", w, lambda t: Int4Weight(t, copies.int4_group))
+    if torch.compiler.is_compiling():  # a compiled step: the copies `pack_live` listed before the trace
+        packed, scales_zeros = copies.live[name + ":int4"]
+        group, rows = copies.int4_group, w.shape[0]
+    else:
+        q = _int4_copy(copies, name, w)
+        packed, scales_zeros, group, rows = q.packed, q.scales_zeros, q.group, q.rows
     m = x.numel() // x.shape[-1]
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(m, x.shape[-1]).to(w.dtype), q.packed, q.group,
-                                                       q.scales_zeros)
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(m, x.shape[-1]).to(w.dtype), packed, group, scales_zeros)
     if bias is not None:
         out = out + bias
-    return out.view(*x.shape[:-1], q.rows)
+    return out.view(*x.shape[:-1], rows)
+
+
+def pack_live(model) -> None:
+    """List an int4 model's copies (made again where a weight was written since) where a compiled step
+    reads them (`WeightCopies.live`); a no-op for other models (gpu/graphs.py calls it before a step)."""
+    if getattr(model, "int4_group", None) is None:
+        return
+    from rollout_ssd.models.cpu_backend import linear_weights  # (cpu_backend imports this module)
+
+    for w, _, copies, name in linear_weights(model):
+        q = _int4_copy(copies, name, w)
+        copies.live[name + ":int4"] = (q.packed, q.scales_zeros)
 
 
 def quantize_int4(model, group: int = DEFAULT_GROUP):
