@@ -34,7 +34,15 @@ import contextlib
 import time
 
 import torch
-from common import add_repo_to_path, bench_prompts, machine_note, memory_bandwidth, print_json_line, print_table
+from common import (
+    add_repo_to_path,
+    bench_prompts,
+    load_default_pair,
+    machine_note,
+    memory_bandwidth,
+    print_json_line,
+    print_table,
+)
 
 add_repo_to_path()
 
@@ -42,8 +50,6 @@ from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig 
 from rollout_ssd import metric_names as names  # noqa: E402
 from rollout_ssd.models import bf16_rows  # noqa: E402
 from rollout_ssd.models.cpu_backend import describe_auto_dtype  # noqa: E402
-from rollout_ssd.models.loader import load_pretrained  # noqa: E402
-from rollout_ssd.models.registry import resolve_draft  # noqa: E402
 
 
 def first_difference(a: list[int], b: list[int]):
@@ -180,6 +186,7 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--draft", default="default", help="SD's draft: default (the built-in), target-int4, or a checkpoint")
     p.add_argument("--warm-prompts", type=int, default=1, help="untimed prompts the warm-up pass starts with")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate and the roofline row")
     p.add_argument("--compile", default="frozen",
@@ -190,9 +197,7 @@ def main(argv=None):
     modes = args.compile.split(",")
     if not modes or any(m not in COMPILED for m in modes):
         p.error(f"--compile takes frozen, live and/or onednn, got {args.compile!r}")
-    target = load_pretrained("smollm2-135m-instruct", dtype="auto")
-    draft = load_pretrained(resolve_draft("default", "smollm2-135m-instruct"), dtype="auto", with_tokenizer=False,
-                            share_embedding_from=target.model)
+    target, draft = load_default_pair(args.draft, dtype="auto")
     prompts = bench_prompts(target.tokenizer, "templates", args.prompts + args.warm_prompts)
     warm, timed = prompts[:args.warm_prompts], prompts[args.warm_prompts:]
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
