@@ -192,6 +192,21 @@ def test_bad_config_is_refused_before_any_work(override, needle, tmp_path, capsy
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "tiny_models").exists()
 
 
+def test_the_int4_draft_is_the_policys_own_and_refuses_follow_mode(tmp_path, capsys):
+    """draft="target-int4": the engine makes it of the policy, the learner keeps no draft of its own
+    (nothing to distil or send), and a follow mode is refused by name before any work."""
+    from rollout_ssd.rl.actors import has_draft, resolve_models
+    from rollout_ssd.rl.config import RLConfig
+
+    cfg = RLConfig(draft="target-int4")
+    assert resolve_models(cfg) == (cfg.model, "target-int4") and has_draft(cfg)
+    with pytest.raises(SystemExit) as exc:
+        recipe_main("grpo", ["--set", f"tracking.out_dir={tmp_path}", "--set", "draft=target-int4",
+                             "--set", "follow.mode=follow"])
+    assert exc.value.code == 2 and "follow.mode must be 'frozen' with draft='target-int4'" in capsys.readouterr().err
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_config_file_errors(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("steps: [1, 2\n")

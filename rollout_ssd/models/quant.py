@@ -1,6 +1,6 @@
 """The target's own weights in int4 as a draft model: `quantize_int4` and the linears it makes run.
 
-Why: SSD can gain over SD only the share of an SD round the drafting takes (THEORY.md, Corollary 9),
+Why: SSD can gain over SD only the share of an SD round the drafting takes (docs/THEORY.md, Corollary 9),
 and a draft gains only as far as it agrees with the target. A small distilled draft is cheap but agrees
 little; the target itself, its weights rounded to 4 bits, agrees far more and costs well under a target
 step at a few rows, since a step at a few rows is bound by reading the weights and int4 reads a quarter

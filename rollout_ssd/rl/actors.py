@@ -22,6 +22,7 @@ from rollout_ssd import RolloutEngine, SamplingParams
 from rollout_ssd.draft.drift import kl_target_draft
 from rollout_ssd.draft.follow import DraftFollower
 from rollout_ssd.models.loader import load_pretrained
+from rollout_ssd.models.registry import INT4_DRAFT
 from rollout_ssd.params import Rollout
 from rollout_ssd.rl.config import RLConfig
 from rollout_ssd.rl.learner import Learner, RolloutBatch
@@ -48,6 +49,8 @@ def resolve_models(cfg: RLConfig) -> tuple[str, Optional[str]]:
         return cfg.model, None
     from rollout_ssd.models.registry import resolve_draft
 
+    if cfg.draft == INT4_DRAFT:  # made of the target by the engine (models/quant.py)
+        return cfg.model, INT4_DRAFT
     return cfg.model, str(resolve_draft(cfg.draft, cfg.model))
 
 
@@ -117,7 +120,7 @@ class LearnerWorker:
         policy = load_pretrained(target, dtype="float32", with_tokenizer=False).model
         self.learner = Learner(policy, cfg.learner)
         self.follower = None
-        if has_draft(cfg):
+        if has_draft(cfg) and draft != INT4_DRAFT:  # the policy's own weights: nothing to distil or send
             draft_model = load_pretrained(draft, dtype="float32", with_tokenizer=False,
                                           share_embedding_from=policy).model
             self.follower = DraftFollower(draft_model, cfg.follow)

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from rollout_ssd.config import EngineConfig, SpecConfig, require_positive_ints
 from rollout_ssd.draft.follow import FollowConfig
+from rollout_ssd.models.registry import INT4_DRAFT
 from rollout_ssd.params import SamplingParams
 from rollout_ssd.rl.learner import LearnerConfig
 from rollout_ssd.rl.optim import OptimConfig
@@ -135,6 +136,9 @@ class RLConfig:
         if on_gpu and self.ray.enabled and self.ray.rollout_gpus <= 0:
             raise ValueError(f"device={self.device!r} with Ray needs ray.rollout_gpus >= 1 (Ray hides GPUs from "
                              "an actor that requests none)")
+        if self.draft == INT4_DRAFT and self.follow.mode != "frozen":
+            raise ValueError("follow.mode must be 'frozen' with draft='target-int4': that draft is the policy's own "
+                             f"weights in int4 and takes every policy update as it is, got {self.follow.mode!r}")
         if self.learner.algorithm != self.algorithm:
             raise ValueError(f"learner.algorithm {self.learner.algorithm!r} differs from algorithm {self.algorithm!r}")
 
