@@ -6,7 +6,8 @@ chain per call so that the weights stream from memory, through: the bf16 rows ke
 the CPU has avx512_bf16: what a bf16 decode step runs at 1..2 rows on AMX, up to 32 elsewhere), torch's int8 weight-only
 kernel (`aten._weight_int8pack_mm`) and torch's int4 kernel (`aten._weight_int4pack_mm_for_cpu`,
 groups of 32). Part 2 times one eager decode step (`ModelRunner.decode` after a 120-token prompt)
-of the target and of its int4 draft. Medians; one table per part; JSON last line.
+of the target and of its int4 draft, and the seconds its int4 copies take to be made again after an
+update of the target (every weight written). Medians; one table per part; JSON last line.
 
     .venv/bin/python bench/int4_linears.py           # threads 1, 2; rows 1, 2, 4, 8
     .venv/bin/python bench/int4_linears.py --quick
@@ -22,7 +23,8 @@ import torch
 from common import add_repo_to_path, load_default_pair, machine_note, print_json_line, print_table
 
 add_repo_to_path()
-from rollout_ssd.models import bf16_rows  # noqa: E402
+from rollout_ssd.models import bf16_rows, quant  # noqa: E402
+from rollout_ssd.models.cpu_backend import linear_weights  # noqa: E402
 from rollout_ssd.models.quant import Int4Weight  # noqa: E402
 from rollout_ssd.runner import ModelRunner  # noqa: E402
 
@@ -104,8 +106,19 @@ def steps(args) -> list[dict]:
             row = {"threads": threads, "rows": m, "target ms": _step_ms(target.model, m, prompt, args.repeats),
                    "int4 draft ms": _step_ms(draft.model, m, prompt, args.repeats)}
             row["draft / target"] = row["int4 draft ms"] / row["target ms"]
+            row["int4 copies remade s"] = _requantize_s(target.model, draft.model)
             rows.append(row)
     return rows
+
+
+def _requantize_s(target, draft) -> float:
+    """Seconds to make the draft's int4 copies again after a target update (every weight written)."""
+    with torch.no_grad():
+        for w, _, _, _ in linear_weights(target):
+            w.add_(0)  # a write: bumps each weight's version, as update_weights' copy_ does
+    t0 = time.perf_counter()
+    quant.pack_live(draft)
+    return time.perf_counter() - t0
 
 
 def main(argv=None):
