@@ -59,6 +59,8 @@ def test_int4_linear_is_the_product_with_the_dequantized_weight(dtype, rows):
     bound = 4 * ((96 + 2) * EPS[torch.float32] * (x.double().abs() @ deq.abs().t()) + EPS[dtype] * ref.abs()) + 1e-30
     assert out.dtype == dtype and out.shape == (rows, 80) and q.rows == 80
     assert ((out.double() - ref).abs() <= bound + EPS[dtype] * bias.double().abs() * 4).all()
+    strided = x.t().contiguous().t()  # the same x, column-major (as a compiled step may hand it over)
+    assert (rows == 1 or not strided.is_contiguous()) and torch.equal(quant.linear(strided, w, copies, "w", bias), out)
 
 
 def test_bad_settings_are_refused_by_name(tmp_path):

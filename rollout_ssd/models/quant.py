@@ -81,7 +81,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, copies, name: str, bias: Optional[t
         q = _int4_copy(copies, name, w)
         packed, scales_zeros, group, rows = q.packed, q.scales_zeros, q.group, q.rows
     m = x.numel() // x.shape[-1]
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(m, x.shape[-1]).to(w.dtype), packed, group, scales_zeros)
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(m, x.shape[-1]).to(w.dtype).contiguous(), packed, group,
+                                                       scales_zeros)  # the kernel reads A contiguous
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], rows)

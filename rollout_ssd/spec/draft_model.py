@@ -36,6 +36,7 @@ from rollout_ssd.spec.speculator import Proposal, Speculator
 from rollout_ssd.spec.verify import DenseDraft, SparseDraft
 
 DRAFT_STREAM = 2
+CATCH_UP_TOKENS = 2  # the most tokens a round's catch-up forward feeds after the first round
 
 
 class DraftModelSpeculator(Speculator):
@@ -43,16 +44,20 @@ class DraftModelSpeculator(Speculator):
 
     def __init__(self, model: Decoder, num_slots: int, max_len: int, stop_prob: float = 0.0,
                  compiled_k: Optional[int] = None, compile_mode: str = "frozen"):
-        """compiled_k: compile the draft's decode and catch-up steps (EngineConfig.compile; catch-ups of
-        up to compiled_k + 1 tokens padded to one shape) as `compile_mode` steps ("frozen" or "live"):
-        frozen ones turn live when the draft's weights change, as the target's do."""
+        """compiled_k: compile the draft's decode and catch-up steps (EngineConfig.compile) as
+        `compile_mode` steps ("frozen" or "live"): frozen ones turn live when the draft's weights change,
+        as the target's do. A catch-up is 1 or 2 tokens after the first round (the last emitted token, and
+        the last drafted one when the whole chain was accepted): a batch with a 2-token row runs one
+        2-token step (`CATCH_UP_TOKENS`; shorter rows padded), one of 1-token rows the decode step, and
+        a longer catch-up (after a draft update) runs eagerly. Padding to k + 1 instead would cost more
+        where a step's cost grows with its rows (an int4 draft, models/quant.py)."""
         if not 0.0 <= stop_prob < 1.0:
             raise ValueError(f"stop_prob must be in [0, 1), got {stop_prob!r}")
         self.model = model
         self.stop_prob = stop_prob
         self.runner = ModelRunner(model, num_slots=num_slots, max_len=max_len)
         if compiled_k is not None:
-            self.runner.use_static_steps(compiled=compile_mode, pad_t=compiled_k + 1)
+            self.runner.use_static_steps(compiled=compile_mode, pad_t=CATCH_UP_TOKENS)
         self.slot: dict[int, int] = {}  # id(seq) -> draft slot
         self.cached: dict[int, int] = {}  # id(seq) -> tokens of the sequence in the draft cache
         self.generators: dict[int, torch.Generator] = {}
