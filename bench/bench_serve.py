@@ -93,7 +93,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="= --tiny --clients 1,4 --requests-per-client 2 --max-tokens 8")
     p.add_argument("--tiny", action="store_true", help="the seeded tiny pair (rollout_ssd.rl.tiny): a seconds-long smoke run")
     p.add_argument("--model", default="smollm2-135m-instruct", help="target: built-in name or checkpoint dir")
-    p.add_argument("--draft", default="default", help="draft of sd / ssd: 'default' or a checkpoint dir")
+    p.add_argument("--draft", default="default", help="draft of sd / ssd: 'default', 'target-int4' or a checkpoint dir")
     p.add_argument("--methods", default="ar,sd,ssd")
     p.add_argument("--clients", default="1,4,16,64", help="numbers of concurrent clients")
     p.add_argument("--requests-per-client", type=int, default=4, help="R: requests each client sends in turn")
@@ -441,7 +441,8 @@ def run_phase(make_client, clients: int, per_client: int, prompts: list[list[int
 def load_models(args, methods, tmp: Path):
     """(target path/name, draft path/name or None, target LoadedModel, draft LoadedModel or None, prompts)."""
     from rollout_ssd.models.loader import load_pretrained
-    from rollout_ssd.models.registry import resolve_draft
+    from rollout_ssd.models.quant import int4_draft
+    from rollout_ssd.models.registry import INT4_DRAFT, resolve_draft
 
     needed = max(args.client_counts) * args.requests_per_client
     if args.tiny:
@@ -455,7 +456,9 @@ def load_models(args, methods, tmp: Path):
         draft_name = resolve_draft(args.draft, args.model) if any(m != "ar" for m in methods) else None
     target = load_pretrained(target_name, dtype="float32")
     draft = None
-    if any(m != "ar" for m in methods):
+    if any(m != "ar" for m in methods) and draft_name == INT4_DRAFT:
+        draft = int4_draft(target)
+    elif any(m != "ar" for m in methods):
         draft = load_pretrained(draft_name, dtype="float32", with_tokenizer=False, share_embedding_from=target.model)
     if args.tiny:
         texts = arithmetic_dataset(min(needed, 256), seed=0)["prompt"]

@@ -153,3 +153,22 @@ def test_compiled_sd_with_the_int4_draft_gives_the_eager_engines_tokens_across_a
             engine.close()
     assert out[mode] == out[False]
     assert out[mode][0] != out[mode][1]  # the update changed the tokens: the second call is a check of its own
+
+
+@pytest.mark.slow
+def test_from_pretrained_makes_the_int4_draft_of_the_default_target():
+    """`RolloutEngine.from_pretrained(draft="target-int4")` on SmolLM2 (float32, so that SD's verify and
+    AR's decode round alike): the draft is the target's tensors in int4, and SD's greedy tokens are AR's."""
+    engine = RolloutEngine.from_pretrained("smollm2-135m-instruct", draft="target-int4", dtype="float32",
+                                           spec=SpecConfig(method="sd", k=2), max_batch_size=2, max_model_len=128)
+    ar = RolloutEngine(engine.target, SpecConfig(method="ar"), EngineConfig(max_batch_size=2, max_model_len=128))
+    try:
+        model = engine.strategy.speculator.model
+        assert model.int4_group == quant.DEFAULT_GROUP and model.embed is engine.target.model.embed
+        prompts = [engine.target.tokenizer("The capital of France is").input_ids, [1, 2, 3, 4]]
+        params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+        assert [r.token_ids for r in engine.sample(prompts, params)] == [r.token_ids for r in ar.sample(prompts, params)]
+        assert engine.metrics()["spec/accept_rate"] > 0.5
+    finally:
+        engine.close()
+        ar.close()

@@ -19,7 +19,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI / vLLM-compatible HTTP API over a RolloutEngine")
     p.add_argument("--target", "--model", dest="target", default="smollm2-135m-instruct",
                    help="built-in name, HF checkpoint dir or .gguf")
-    p.add_argument("--draft", default=None, help="'default', a checkpoint dir or a .gguf (needed for sd / ssd)")
+    p.add_argument("--draft", default=None, help="'default', 'target-int4', a checkpoint dir or a .gguf (needed for sd / ssd)")
     p.add_argument("--method", default="ar", choices=["ar", "sd", "ssd"])
     p.add_argument("--k", type=int, default=None, help="draft tokens per round (SpecConfig.k)")
     p.add_argument("--speculator", default=None, help="SD's speculator: draft, suffix or random")
