@@ -165,6 +165,9 @@ class RolloutEngine:
         loaded.model.to(dev)
         draft_loaded = None
         if draft == INT4_DRAFT:
+            if spec.method == "ssd" and spec.draft_device not in (None, "cpu"):
+                raise ValueError(f"draft='target-int4' runs on a CPU (torch's CPU int4 kernel), "
+                                 f"got draft_device={spec.draft_device!r}")
             draft_loaded = int4_draft(loaded)
         elif draft is not None:
             from rollout_ssd.models.registry import resolve_draft

@@ -12,6 +12,7 @@ import torch
 
 from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig
 from rollout_ssd.models import quant
+from rollout_ssd.models.loader import load_pretrained
 from rollout_ssd.ssd.draft_server import weights_digest
 from tests.support.models import tiny_model
 from tests.support.toolchain import needs_cxx
@@ -69,6 +70,9 @@ def test_bad_settings_are_refused_by_name(tmp_path):
     _, loaded = tiny_model(tmp_path / "m", hidden_size=64, intermediate_size=96, vocab_size=64)
     with pytest.raises(ValueError, match="int4 group must be one of"):
         quant.quantize_int4(loaded.model, 48)
+    with pytest.raises(ValueError, match=r"int4 group 64 does not divide .* \[64, 96\]; groups that do: \[32\]"):
+        quant.quantize_int4(loaded.model, 64)
+    assert loaded.model.copies.int4_group is None  # refused before anything changed
 
 
 @pytest.fixture()
@@ -172,3 +176,33 @@ def test_from_pretrained_makes_the_int4_draft_of_the_default_target():
     finally:
         engine.close()
         ar.close()
+
+
+def test_sd_drops_the_int4_drafts_kv_when_the_target_changes_mid_call(pair):
+    """An update applied between two rounds of a call: SD's draft, being the target's tensors, drops the
+    draft KV the old weights built once (a draft of its own tensors keeps it); every rollout reports
+    both versions."""
+    _, loaded, draft = pair
+    cfg = EngineConfig(max_batch_size=4, max_model_len=64)
+    engine = RolloutEngine(loaded, SpecConfig(method="sd", k=2), cfg, draft=draft)
+    update, dropped, rounds = _perturbed(loaded, 9), [], {"n": 0}
+    real_step, real_drop = engine.strategy.step, engine.strategy.speculator.weights_changed
+
+    def step(running):
+        emitted = real_step(running)
+        rounds["n"] += 1
+        if rounds["n"] == 3:
+            engine.update_weights(update, version=1)
+        return emitted
+
+    engine.strategy.step = step
+    engine.strategy.speculator.weights_changed = lambda: (dropped.append(True), real_drop())
+    try:
+        assert engine.strategy.speculator.shares_target
+        rollouts = engine.sample(PROMPTS, SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
+        assert dropped == [True] and all(r.extra["weight_versions"] == [0, 1] for r in rollouts)
+        own = RolloutEngine(loaded, SpecConfig(method="sd", k=2), cfg, draft=load_pretrained(loaded.source, dtype="float32"))
+        assert not own.strategy.speculator.shares_target  # its own tensors: the target's updates leave its KV be
+        own.close()
+    finally:
+        engine.close()

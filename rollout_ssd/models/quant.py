@@ -112,6 +112,11 @@ def quantize_int4(model, group: int = DEFAULT_GROUP):
         raise ValueError(f"int4 drafts run on a CPU in bfloat16 or float32, got {model.dtype} on {model.embed.device}")
     from rollout_ssd.models.cpu_backend import linear_weights  # (cpu_backend imports this module)
 
+    columns = sorted({w.shape[1] for w, _, _, _ in linear_weights(model)})
+    if any(k % group for k in columns):  # before anything changes: a refused model stays as it was
+        fit = [g for g in INT4_GROUPS if all(k % g == 0 for k in columns)]
+        raise ValueError(f"int4 group {group} does not divide this model's linears' column counts {columns}; "
+                         f"groups that do: {fit or 'none'}")
     for copies in [model.copies] + [layer.row_major for layer in model.layers]:
         copies.int4_group = group
     model.int4_group = group

@@ -37,6 +37,12 @@ class SDDecode(DecodeStrategy):
     def close(self) -> None:
         self.speculator.close()
 
+    def on_weights_changed(self) -> None:
+        """The target's weights changed: a draft that shares tensors with it changed too, so the draft KV
+        its old values built goes (the next catch-up recomputes it; outputs are exact either way)."""
+        if getattr(self.speculator, "shares_target", False):
+            self.speculator.weights_changed()
+
     def step(self, running: list[Sequence]) -> int:
         t0 = time.perf_counter()
         ks = chain_lengths(running, self.k)
