@@ -440,9 +440,8 @@ def run_phase(make_client, clients: int, per_client: int, prompts: list[list[int
 # ---------------------------------------------------------------------------------------------- setup
 def load_models(args, methods, tmp: Path):
     """(target path/name, draft path/name or None, target LoadedModel, draft LoadedModel or None, prompts)."""
-    from rollout_ssd.models.loader import load_pretrained
-    from rollout_ssd.models.quant import int4_draft
-    from rollout_ssd.models.registry import INT4_DRAFT, resolve_draft
+    from rollout_ssd.models.loader import load_draft, load_pretrained
+    from rollout_ssd.models.registry import resolve_draft
 
     needed = max(args.client_counts) * args.requests_per_client
     if args.tiny:
@@ -456,10 +455,8 @@ def load_models(args, methods, tmp: Path):
         draft_name = resolve_draft(args.draft, args.model) if any(m != "ar" for m in methods) else None
     target = load_pretrained(target_name, dtype="float32")
     draft = None
-    if any(m != "ar" for m in methods) and draft_name == INT4_DRAFT:
-        draft = int4_draft(target)
-    elif any(m != "ar" for m in methods):
-        draft = load_pretrained(draft_name, dtype="float32", with_tokenizer=False, share_embedding_from=target.model)
+    if any(m != "ar" for m in methods):
+        draft = load_draft(draft_name, target, target_name, dtype="float32")
     if args.tiny:
         texts = arithmetic_dataset(min(needed, 256), seed=0)["prompt"]
         prompts = [list(target.tokenizer(t).input_ids) for t in texts]

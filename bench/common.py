@@ -36,15 +36,10 @@ def load_default_pair(draft: str = "default", dtype: str = "float32"):
     the engine's default) and `draft` ("default" = the built-in draft, "target-int4" = the target's own
     weights in int4, or a checkpoint directory), the draft sharing the target's embedding."""
     add_repo_to_path()
-    from rollout_ssd.models.loader import load_pretrained
-    from rollout_ssd.models.quant import int4_draft
-    from rollout_ssd.models.registry import INT4_DRAFT, resolve_draft
+    from rollout_ssd.models.loader import load_draft, load_pretrained
 
     target = load_pretrained("smollm2-135m-instruct", dtype=dtype)
-    if draft == INT4_DRAFT:
-        return target, int4_draft(target)
-    return target, load_pretrained(resolve_draft(draft, "smollm2-135m-instruct"), dtype=dtype,
-                                   with_tokenizer=False, share_embedding_from=target.model)
+    return target, load_draft(draft, target, "smollm2-135m-instruct", dtype=dtype)
 
 
 PROMPT_SETS = ("templates", "unseen")

@@ -30,8 +30,7 @@ from rollout_ssd.metrics import EngineMetrics
 from rollout_ssd.models.attention import select_backend
 from rollout_ssd.models.cpu_backend import warm_packed
 from rollout_ssd.models.cpu_memory import keep_freed_memory
-from rollout_ssd.models.loader import LoadedModel, load_pretrained
-from rollout_ssd.models.quant import int4_draft
+from rollout_ssd.models.loader import LoadedModel, load_draft, load_pretrained
 from rollout_ssd.models.registry import INT4_DRAFT
 from rollout_ssd.params import Prompt, Rollout, SamplingParams
 from rollout_ssd.request import Request
@@ -164,17 +163,12 @@ class RolloutEngine:
         loaded = load_pretrained(target, dtype=dtype)
         loaded.model.to(dev)
         draft_loaded = None
-        if draft == INT4_DRAFT:
-            if spec.method == "ssd" and spec.draft_device not in (None, "cpu"):
-                raise ValueError(f"draft='target-int4' runs on a CPU (torch's CPU int4 kernel), "
-                                 f"got draft_device={spec.draft_device!r}")
-            draft_loaded = int4_draft(loaded)
-        elif draft is not None:
-            from rollout_ssd.models.registry import resolve_draft
-
-            draft_loaded = load_pretrained(resolve_draft(draft, target), dtype=dtype, with_tokenizer=False,
-                                           share_embedding_from=loaded.model)
-            draft_loaded.model.to(dev)  # a shared embedding is already there and stays shared
+        if draft == INT4_DRAFT and spec.method == "ssd" and spec.draft_device not in (None, "cpu"):
+            raise ValueError(f"draft='target-int4' runs on a CPU (torch's CPU int4 kernel), "
+                             f"got draft_device={spec.draft_device!r}")
+        if draft is not None:
+            draft_loaded = load_draft(draft, loaded, target, dtype)
+            draft_loaded.model.to(dev)  # shared tensors (the embedding; an int4 draft's all) are there already
         return cls(loaded, spec, EngineConfig(**engine_options), draft_loaded)
 
     # ------------------------------------------------------------------ generation

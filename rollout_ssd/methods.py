@@ -72,19 +72,14 @@ METHOD_BUILDERS: dict[str, Callable[[BuildContext], object]] = {"ar": _ar, "sd":
 
 # ---------------------------------------------------------------------------------------------- speculators
 def _draft_model(ctx: BuildContext):
-    from rollout_ssd.draft_sync import shared_names
     from rollout_ssd.spec.draft_model import DraftModelSpeculator
 
     draft = ctx.checked_draft("SpecConfig.speculator='draft'")
     static = ctx.runner.static  # the target's steps compiled (EngineConfig.compile): the draft's too
     compiled = static.compiled if static is not None and static.pad_t is not None else None
-    speculator = DraftModelSpeculator(draft.model, ctx.runner.cache.num_slots, ctx.max_model_len,
-                                      stop_prob=float(ctx.spec.stop_prob), compiled_k=ctx.spec.k if compiled else None,
-                                      compile_mode=compiled or "frozen")
-    # a draft holding target tensors (the built-in draft's embedding, every weight of an int4 draft)
-    # changes with each target update: SD then drops the draft KV they built (SDDecode.on_weights_changed)
-    speculator.shares_target = bool(shared_names(draft.model.hf_parameters(), ctx.runner.model.hf_parameters()))
-    return speculator
+    return DraftModelSpeculator(draft.model, ctx.runner.cache.num_slots, ctx.max_model_len,
+                                stop_prob=float(ctx.spec.stop_prob), compiled_k=ctx.spec.k if compiled else None,
+                                compile_mode=compiled or "frozen")
 
 
 def _suffix(ctx: BuildContext):

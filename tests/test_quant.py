@@ -12,6 +12,7 @@ import torch
 
 from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig
 from rollout_ssd.models import quant
+from rollout_ssd.models.cpu_backend import WeightCopies
 from rollout_ssd.models.loader import load_pretrained
 from rollout_ssd.ssd.draft_server import weights_digest
 from tests.support.models import tiny_model
@@ -21,14 +22,6 @@ pytestmark = pytest.mark.skipif(not quant.available(), reason="this torch build 
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14]]
 EPS = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -7}
-
-
-class _Copies:  # what quant.linear needs of a WeightCopies: get(name, w, make) and int4_group
-    def __init__(self, group):
-        self.int4_group, self._made = group, {}
-
-    def get(self, name, w, make):
-        return self._made.setdefault(name, make(w))
 
 
 def test_codes_round_each_weight_to_its_groups_nearest_level():
@@ -51,9 +44,10 @@ def test_int4_linear_is_the_product_with_the_dequantized_weight(dtype, rows):
     w = torch.randn(80, 96, generator=g).to(dtype)
     x = torch.randn(rows, 96, generator=g).to(dtype)
     bias = torch.randn(80, generator=g).to(dtype)
-    copies = _Copies(32)
+    copies = WeightCopies()
+    copies.int4_group = 32
     out = quant.linear(x, w, copies, "w", bias)
-    q = copies._made["w:int4"]
+    q = copies.get("w:int4", w, None)  # the copy the call made (a hit: nothing is made again)
     codes, sz = quant.int4_codes(w, 32)
     deq = quant.dequantize(codes, sz.to(dtype).float(), 32).double()
     ref = x.double() @ deq.t() + bias.double()
@@ -198,11 +192,11 @@ def test_sd_drops_the_int4_drafts_kv_when_the_target_changes_mid_call(pair):
     engine.strategy.step = step
     engine.strategy.speculator.weights_changed = lambda: (dropped.append(True), real_drop())
     try:
-        assert engine.strategy.speculator.shares_target
+        assert engine.strategy._shares_target
         rollouts = engine.sample(PROMPTS, SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
         assert dropped == [True] and all(r.extra["weight_versions"] == [0, 1] for r in rollouts)
         own = RolloutEngine(loaded, SpecConfig(method="sd", k=2), cfg, draft=load_pretrained(loaded.source, dtype="float32"))
-        assert not own.strategy.speculator.shares_target  # its own tensors: the target's updates leave its KV be
+        assert not own.strategy._shares_target  # its own tensors: the target's updates leave its KV be
         own.close()
     finally:
         engine.close()

@@ -44,7 +44,6 @@ import torch
 from rollout_ssd.config import COMPILE
 from rollout_ssd.gpu.inductor import compile_options, guard_filter
 from rollout_ssd.kv_cache import KVCache
-from rollout_ssd.models import quant
 from rollout_ssd.models.attention import KeyLayout
 from rollout_ssd.models.cpu_backend import live_steps, pack_live
 from rollout_ssd.models.decoder import Decoder, rms_norm
@@ -209,7 +208,6 @@ class StaticStep:
                 key = weights_key(self._modules) if live else ()
                 if key != self._packed_for:
                     pack_live(self.model)
-                    quant.pack_live(self.model)  # an int4 draft's copies (models/quant.py)
                     self._packed_for = key
                 with torch._inductor.config.patch(compile_options(self.t, self.mode)), live_steps(live):
                     return self.compiled(read, self.tokens, self.positions, self.slot, self.cache.keys,

@@ -271,10 +271,10 @@ def live_steps(on: bool = True):
 def pack_live(model) -> None:
     """Bring the packed copies a live compiled step reads (`WeightCopies.live`) up to date with a bf16
     CPU model's linear weights: each is repacked only where its weight was written or replaced since
-    (`WeightCopies.get`). A no-op where the packed form does not apply (a float32 model's live steps
-    read the weights themselves)."""
+    (`WeightCopies.get`); an int4 draft's copies likewise (quant.pack_live). A no-op where neither
+    applies (a float32 model's live steps read the weights themselves)."""
     if not _packs(model):
-        return
+        return quant.pack_live(model)
     with torch.inference_mode():
         for w, _, copies, name in linear_weights(model):
             if packed_bf16():

@@ -22,7 +22,7 @@ from torch import nn
 from rollout_ssd.models.config import model_config_from_hf, rope_inv_freq
 from rollout_ssd.models.cpu_backend import auto_dtype
 from rollout_ssd.models.decoder import Decoder
-from rollout_ssd.models.registry import resolve_builtin
+from rollout_ssd.models.registry import INT4_DRAFT, resolve_builtin, resolve_draft
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +139,18 @@ def load_pretrained(name_or_path: str, dtype="auto", with_tokenizer: bool = True
         tokenizer = dir_tokenizer(path) if with_tokenizer else None
     model = build_decoder(hf_config, state, dtype, share_embedding_from)
     return LoadedModel(model=model, hf_config=hf_config, tokenizer=tokenizer, source=str(path))
+
+
+def load_draft(draft: str, target: LoadedModel, target_name: str, dtype="auto") -> LoadedModel:
+    """The draft named `draft` for `target` (loaded from `target_name`): "target-int4" is made of the
+    target (models/quant.py); anything else is `resolve_draft(draft, target_name)` loaded in `dtype`
+    without a tokenizer, sharing the target's embedding where its config says so."""
+    if draft == INT4_DRAFT:
+        from rollout_ssd.models.quant import int4_draft  # (quant imports this module)
+
+        return int4_draft(target)
+    return load_pretrained(resolve_draft(draft, target_name), dtype=dtype, with_tokenizer=False,
+                           share_embedding_from=target.model)
 
 
 def dir_tokenizer(path: Path):

@@ -90,7 +90,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, copies, name: str, bias: Optional[t
 
 def pack_live(model) -> None:
     """List an int4 model's copies (made again where a weight was written since) where a compiled step
-    reads them (`WeightCopies.live`); a no-op for other models (gpu/graphs.py calls it before a step)."""
+    reads them (`WeightCopies.live`); a no-op for other models (cpu_backend.pack_live calls it for one)."""
     if getattr(model, "int4_group", None) is None:
         return
     from rollout_ssd.models.cpu_backend import linear_weights  # (cpu_backend imports this module)
@@ -120,9 +120,7 @@ def quantize_int4(model, group: int = DEFAULT_GROUP):
     for copies in [model.copies] + [layer.row_major for layer in model.layers]:
         copies.int4_group = group
     model.int4_group = group
-    with torch.inference_mode():
-        for w, _, copies, name in linear_weights(model):  # each int4 copy made now, not in a first round
-            linear(w.new_zeros(1, w.shape[1]), w, copies, name)
+    pack_live(model)  # each int4 copy made now, not in a first round
     return model
 
 

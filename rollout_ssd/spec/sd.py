@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 from rollout_ssd.decode import DecodeStrategy, chain_lengths, finish_round, verify_round
+from rollout_ssd.draft_sync import shared_names
 from rollout_ssd.metrics import EngineMetrics
 from rollout_ssd.runner import ModelRunner
 from rollout_ssd.sequence import Sequence
@@ -27,6 +28,10 @@ class SDDecode(DecodeStrategy):
         self.speculator = speculator
         self.k = k
         self.stats = stats
+        # a neural draft holding target tensors (the built-in draft's embedding, every weight of an int4
+        # draft) changes with each target update (`on_weights_changed`)
+        draft = getattr(speculator, "model", None)
+        self._shares_target = draft is not None and bool(shared_names(draft.hf_parameters(), runner.model.hf_parameters()))
 
     def on_admit(self, seqs: list[Sequence]) -> None:
         self.speculator.on_admit(seqs)
@@ -40,7 +45,7 @@ class SDDecode(DecodeStrategy):
     def on_weights_changed(self) -> None:
         """The target's weights changed: a draft that shares tensors with it changed too, so the draft KV
         its old values built goes (the next catch-up recomputes it; outputs are exact either way)."""
-        if getattr(self.speculator, "shares_target", False):
+        if self._shares_target:
             self.speculator.weights_changed()
 
     def step(self, running: list[Sequence]) -> int:

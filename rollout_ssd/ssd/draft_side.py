@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from rollout_ssd.decode import RoundOutcome
+from rollout_ssd.draft_sync import shared_names
 from rollout_ssd.metrics import EngineMetrics
 from rollout_ssd.models.decoder import Decoder
 from rollout_ssd.sequence import Sequence
@@ -128,9 +129,8 @@ class DraftSide:
         self.client: Optional[DraftClient] = None
         self.draft_version = 0
         self._weights_lock = threading.Lock()  # draft weight traffic may come from a receiver thread
-        target_storages = {t.untyped_storage().data_ptr() for t in target_params.values()}
-        self._shared_names = [n for n, t in draft_model.hf_parameters().items()
-                              if t.untyped_storage().data_ptr() in target_storages]
+        shared = shared_names(draft_model.hf_parameters(), target_params)
+        self._shared_names = [n for n in draft_model.hf_parameters() if n in shared]
         # what the draft side holds of each shared tensor: its (storage, version counter) when it was sent;
         # every write through copy_ or an in-place op bumps the counter, so no checksum (on a GPU: no copy
         # to the host) is needed to see that the target changed it
