@@ -7,9 +7,11 @@ the CPU has avx512_bf16: what a bf16 decode step runs at 1..2 rows on AMX, up to
 kernel (`aten._weight_int8pack_mm`) and torch's int4 kernel (`aten._weight_int4pack_mm_for_cpu`,
 groups of 32). Part 2 times one eager decode step (`ModelRunner.decode` after a 120-token prompt)
 of the target and of its int4 draft, and the seconds its int4 copies take to be made again after an
-update of the target (every weight written). Medians; one table per part; JSON last line.
+update of the target (every weight written). `--compiled` adds the int4 draft's frozen compiled steps of
+1, 2 and 3 tokens at one row. Medians; one table per part; JSON last line.
 
     .venv/bin/python bench/int4_linears.py           # threads 1, 2; rows 1, 2, 4, 8
+    .venv/bin/python bench/int4_linears.py --compiled --threads 2 --rows 1 --step-rows 1
     .venv/bin/python bench/int4_linears.py --quick
 """
 
@@ -121,6 +123,32 @@ def _requantize_s(target, draft) -> float:
     return time.perf_counter() - t0
 
 
+def compiled_steps(args) -> list[dict]:
+    """The int4 draft's frozen compiled steps of 1 token and of 2 and 3 tokens (SD's draft catch-up,
+    padded), one row, after their compiles: what a compiled SD round's draft forwards cost."""
+    from rollout_ssd.models.loader import load_pretrained
+    from rollout_ssd.models.quant import int4_draft
+
+    torch.set_num_threads(max(args.threads))
+    draft = int4_draft(load_pretrained("smollm2-135m-instruct", dtype="auto"))
+    prompt = list(range(100, 220))
+    rows = []
+    for t in (1, 2, 3):
+        runner = ModelRunner(draft.model, num_slots=1, max_len=512)
+        runner.use_static_steps(compiled="frozen", pad_t=max(t, 2))
+        slot = runner.allocate()
+        runner.prefill([slot], [prompt])
+
+        def step(t=t, runner=runner, slot=slot):
+            runner.extend([slot], [[5] * t], last_only=True)
+            runner.rollback(slot, len(prompt))
+        t0 = time.perf_counter()
+        step()  # its compile
+        rows.append({"threads": max(args.threads), "tokens": t, "compile s": time.perf_counter() - t0,
+                     "frozen step ms": _median_ms(step, args.repeats)})
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", default="1,2")
@@ -128,6 +156,7 @@ def main(argv=None):
     p.add_argument("--step-rows", default="1,3")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--compiled", action="store_true", help="also the int4 draft's frozen compiled steps (minutes)")
     p.add_argument("--quick", action="store_true", help="2 layers, 1 thread, 1 row, 3 repeats")
     args = p.parse_args(argv)
     if args.quick:
@@ -139,8 +168,11 @@ def main(argv=None):
     print_table(part1)
     part2 = steps(args)
     print_table(part2)
+    part3 = compiled_steps(args) if args.compiled else []
+    if part3:
+        print_table(part3)
     print_json_line({"bench": "int4_linears", "machine": machine_note(), "layers": args.layers,
-                     "linears": part1, "steps": part2})
+                     "linears": part1, "steps": part2, "compiled": part3})
 
 
 if __name__ == "__main__":
