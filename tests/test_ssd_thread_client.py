@@ -120,3 +120,51 @@ def test_a_reply_with_an_invalid_q_is_refused_and_the_rollouts_stay_exact(pair, 
 
     monkeypatch.setattr(server, "resolve", corrupt)
     _samples_exactly_through_one_failure(engine, want, "invalid q")
+
+
+def test_the_draft_thread_handles_no_message_while_a_cuda_graph_is_captured(pair):
+    """A CUDA graph captured while another thread runs CUDA work is invalidated, and a draw from that
+    thread meanwhile leaves the process's CUDA generator unusable (seen on an H200: SSD with cuda_graphs
+    failed its first verify capture). The draft thread therefore handles each message under
+    CUDA_CAPTURE_LOCK, which `StaticStep.capture` holds: a message sent during a capture waits for it."""
+    from rollout_ssd.gpu.devices import CUDA_CAPTURE_LOCK
+
+    _, draft = pair
+    client = ThreadDraftClient(DraftServer(copy.deepcopy(draft.model), num_slots=2, max_model_len=64, k=3,
+                                           max_branches=8), timeout=0.5)
+    try:
+        with CUDA_CAPTURE_LOCK:  # as a capture holds it
+            from rollout_ssd.ssd.client import WorkerFailure
+
+            with pytest.raises(WorkerFailure, match="no answer"):
+                client.digest()  # not handled while the lock is held
+        reply = client._replies.get(timeout=5)  # handled once the capture is over
+        assert reply.digest == weights_digest(client.server.model.hf_parameters())
+        assert client.digest().digest == reply.digest
+    finally:
+        client.close()
+    assert _draft_threads() == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_ssd_with_cuda_graphs_and_the_draft_thread_is_exact_on_cuda(pair, threaded, recwarn, tmp_path):
+    """SSD on a GPU: the draft thread builds trees while the target captures and replays its graphed
+    decode and verify steps; greedy tokens equal AR's and the draft thread never fails."""
+    from rollout_ssd import EngineConfig, RolloutEngine, SpecConfig
+
+    target, draft = tiny_pair(tmp_path, vocab=48)  # the same pair, on the GPU
+    target.model.to("cuda")
+    draft.model.to("cuda")
+    want = [r.token_ids for r in ar_engine(pair[0], 3).sample(PROMPTS, GREEDY)]
+    spec = SpecConfig(method="ssd", k=3, worker=True, strategy_rule=False, fanout=(1, 1, 1, 2))
+    engine = RolloutEngine(target, spec, EngineConfig(max_batch_size=3, max_model_len=64, cuda_graphs=True), draft=draft)
+    try:
+        got = [r.token_ids for r in engine.sample(PROMPTS, GREEDY)]
+        assert isinstance(engine.strategy.client, ThreadDraftClient)
+        assert engine.metrics()["ssd/worker_failures"] == 0
+        assert len(engine.runner.static.steps) > 0
+    finally:
+        engine.close()
+    assert got == want
+    assert not [w for w in recwarn if "draft worker failed" in str(w.message)]

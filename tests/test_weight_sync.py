@@ -162,7 +162,14 @@ def test_two_receivers_on_different_devices(device):
         stats = sender.send(master.items(), version)
         for receiver, p in zip(receivers, params):
             receiver.receive(timeout=5).apply_to(p)
-        assert sender.wait_ack(timeout=5) and stats.kind == ("full" if version == 1 else "delta")
+        assert sender.wait_ack(timeout=5)
+        if version == 1:
+            assert stats.kind == "full"
+        else:  # against the last version; each tensor as the smaller of its delta and its full form, so a
+            # 32-element tensor with 11+ changed elements goes full (a delta costs 6 bytes an element, the
+            # full form 2): it did with CUDA's random stream on an H200 ("mixed")
+            assert stats.kind in ("delta", "mixed") and stats.base_version == version - 1
+            assert stats.num_delta >= len(master) - 2 and stats.bytes_sent < stats.full_bytes
         for p in params:
             assert_bitwise({n: t.cpu() for n, t in p.items()}, {n: t.cpu() for n, t in master.items()})
 

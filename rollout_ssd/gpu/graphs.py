@@ -42,6 +42,7 @@ from typing import Optional, Sequence
 import torch
 
 from rollout_ssd.config import COMPILE
+from rollout_ssd.gpu.devices import CUDA_CAPTURE_LOCK
 from rollout_ssd.gpu.inductor import compile_options, guard_filter
 from rollout_ssd.kv_cache import KVCache
 from rollout_ssd.models.attention import KeyLayout
@@ -154,15 +155,16 @@ class StaticStep:
         """Capture `forward` as a CUDA graph (CUDA only): warm up on a side stream, then record."""
         if self.tokens.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.inference_mode(), torch.cuda.stream(stream):
-            for _ in range(2):
-                self.forward()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
-            self.output = self.forward()
+        with CUDA_CAPTURE_LOCK:  # no other thread's CUDA work while capturing (devices.CUDA_CAPTURE_LOCK)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.inference_mode(), torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.forward()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+                self.output = self.forward()
         self.graph = graph
 
     def compile(self, mode: str = "frozen") -> None:

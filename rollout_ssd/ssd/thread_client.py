@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from rollout_ssd.gpu.devices import CUDA_CAPTURE_LOCK
 from rollout_ssd.ssd.client import DraftClient, WorkerFailure
 from rollout_ssd.ssd.draft_server import DraftServer
 from rollout_ssd.ssd.messages import Barrier, DraftDigest, DraftWeightsReply, Message
@@ -54,7 +55,8 @@ class ThreadDraftClient(DraftClient):
                 reply = None
                 if self._error is None:
                     try:
-                        reply = self.server.handle(msg)
+                        with CUDA_CAPTURE_LOCK:  # never while the target captures a CUDA graph
+                            reply = self.server.handle(msg)
                         if wants_reply and self.stream is not None:  # what the reply holds is ready on any
                             self.stream.synchronize()  # stream (messages run in order on this one)
                     except BaseException as err:  # reported to the caller at its next call
