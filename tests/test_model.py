@@ -329,3 +329,18 @@ def test_dtype_auto_is_the_cpu_backends_pick():
     assert parse_dtype("auto") == cpu_backend.auto_dtype() == expected
     line = cpu_backend.describe_auto_dtype()
     assert line.startswith("bfloat16" if expected == torch.bfloat16 else "float32") and "\n" not in line
+
+
+@pytest.mark.parametrize("kind, onednn_says, want", [
+    ("amx", True, torch.bfloat16), ("avx512_bf16", True, torch.bfloat16),
+    ("avx512", True, torch.float32),  # oneDNN emulates bf16 there (widened to float32): slower, not native
+    ("avx2", False, torch.float32), ("default", False, torch.float32)])
+def test_dtype_auto_wants_bf16_units_not_onednns_emulation(monkeypatch, kind, onednn_says, want):
+    from rollout_ssd.models import cpu_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cpu_backend, "cpu_kind", lambda: kind)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn_says)
+    assert cpu_backend.auto_dtype() == want
+    assert cpu_backend.describe_auto_dtype().startswith(str(want).removeprefix("torch."))
+    assert f"CPU {kind}" in cpu_backend.describe_auto_dtype()

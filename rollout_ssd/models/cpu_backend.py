@@ -74,9 +74,16 @@ def cpu_kind() -> str:
     return "avx2" if capability == "avx2" else "default"
 
 
+BF16_UNITS = ("amx", "avx512_bf16")  # CPU kinds with bf16 dot-product instructions
+
+
 def native_bf16() -> bool:
-    """Whether bfloat16 matmuls run natively here: a CUDA device, or oneDNN's bf16 kernels on this CPU."""
-    return torch.cuda.is_available() or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether bfloat16 matmuls run natively here: a CUDA device, or a CPU with bf16 dot-product units
+    (AMX or avx512_bf16). oneDNN also says bf16 is supported on AVX-512 CPUs without them
+    (`_is_mkldnn_bf16_supported`), where it widens every bf16 operand to float32 in registers: there
+    prefill, batched decode and a batch-1 decode step all measured slower in bf16 than in float32
+    (bench/RESULTS.md, "A sixth CPU kind"), so those count as not native."""
+    return torch.cuda.is_available() or cpu_kind() in BF16_UNITS
 
 
 def auto_dtype() -> torch.dtype:
@@ -91,7 +98,7 @@ def describe_auto_dtype() -> str:
     where = "CUDA" if torch.cuda.is_available() else f"CPU {cpu_kind()}"
     if native_bf16():
         return f"bfloat16 ({where}: native bf16 matmuls)"
-    return f"float32 ({where}: no native bf16 matmuls, PyTorch would emulate them)"
+    return f"float32 ({where}: no bf16 dot-product units, bf16 matmuls would be emulated)"
 
 
 # ------------------------------------------------------------------------------ layouts and copies
