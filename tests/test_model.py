@@ -148,33 +148,44 @@ def test_rollback_then_append_equals_fresh_run(tiny):
         runner.rollback(slot, runner.length(slot) + 1)
 
 
-def test_gemm_rows_pad_to_fast_widths_and_drop_the_padding():
+@pytest.mark.parametrize("kind", ["avx2", "avx512"])
+def test_gemm_rows_pad_to_fast_widths_and_drop_the_padding(kind, monkeypatch):
     """cpu_backend.linear and the LM head run an M-row GEMM at gemm_rows(M) rows (zero rows added: MKL is up to
-    1.9x slower at widths off a multiple of 4 / 8, bench/RESULTS.md). The padded rows must never reach the
+    1.9x slower at widths off a multiple of 4 / 8, bench/RESULTS.md), or x @ W.T over column-major weights
+    where that form is faster (by CPU kind and thread count). The padded rows must never reach the
     output: every real row equals F.linear's, and the shapes are the unpadded ones."""
-    from rollout_ssd.models.cpu_backend import WeightCopies, gemm_rows, linear
+    from rollout_ssd.models import cpu_backend
+    from rollout_ssd.models.cpu_backend import WeightCopies, gemm_rows, head_matmul, linear
 
+    monkeypatch.setattr(cpu_backend, "cpu_kind", lambda: kind)
     for m in range(1, 200):
         p = gemm_rows(m)
         assert m <= p <= m + 7 and (m <= 16 or p % 8 == 0), (m, p)
     assert [gemm_rows(m) for m in (1, 2, 3, 4, 5, 15, 16, 17, 31)] == [1, 2, 4, 4, 5, 16, 16, 24, 32]
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(3072, 576, generator=gen).t().contiguous().t()   # column-major, as the layers store it
+    head = torch.randn(3072, 576, generator=gen)  # row-major, as the LM head is held
     bias = torch.randn(3072, generator=gen)
+    few = {"avx2": 1, "avx512": 8}[kind]  # x @ W.T over the column-major storage up to this many rows
     threads = torch.get_num_threads()
     try:
-        for n_threads in (1, 2):  # 1 thread: 12+ rows take the column-major form, fewer the padded one
+        for n_threads in (1, 2):  # 1 thread: 12+ rows take the column-major form too
             torch.set_num_threads(n_threads)
-            for shape in ((3, 576), (1, 13, 576), (5, 3, 576), (31, 576), (7, 576)):
+            for shape in ((3, 576), (1, 13, 576), (5, 3, 576), (31, 576), (7, 576), (9, 576)):
                 x = torch.randn(*shape, generator=gen)
+                m = x.numel() // 576
                 copies = WeightCopies()
                 out = linear(x, w, copies, "w", bias)
                 ref = torch.nn.functional.linear(x.double(), w.double(), bias.double())
                 assert out.shape == ref.shape
                 assert rel_err(out, ref) <= TOL_F32, (n_threads, shape)
-                # the form taken: the column-major storage (no row-major copy made) only with 1 thread, 12+ rows
-                column_major = n_threads == 1 and x.numel() // 576 >= 12
-                assert len(copies) == (0 if column_major else 1), (n_threads, shape)
+                # the form taken: the column-major storage makes no row-major copy
+                column_major = (n_threads == 1 and m >= 12) or m <= few
+                assert len(copies) == (0 if column_major else 1), (kind, n_threads, shape)
+                copies = WeightCopies()
+                logits = head_matmul(x.reshape(m, 576), head, copies)
+                assert rel_err(logits, x.reshape(m, 576).double() @ head.double().t()) <= TOL_F32
+                assert len(copies) == (1 if m <= few else 0), (kind, shape)  # the head's column-major copy
     finally:
         torch.set_num_threads(threads)
 
@@ -191,11 +202,15 @@ def test_head_logits_pad_rows_and_drop_the_padding(tiny):
         assert rel_err(out, ref) <= TOL_F32, m
 
 
-def test_multi_row_forwards_follow_in_place_weight_writes(tiny, tmp_path, request):
+def test_multi_row_forwards_follow_in_place_weight_writes(tiny, tmp_path, request, monkeypatch):
     """Forwards over 2+ rows run on row-major copies of the frozen float32 layer weights (cpu_backend.linear,
     cpu_backend.WeightCopies). After the weights are rewritten in place (as weight sync does), or a weight
     is replaced by a new tensor, both the 1-row and the multi-row forward must compute with the new
-    values: the copies may never go stale."""
+    values: the copies may never go stale. (The CPU kind is pinned to one whose few-row linears use the
+    copies: on others they read the column-major storage itself.)"""
+    from rollout_ssd.models import cpu_backend
+
+    monkeypatch.setattr(cpu_backend, "cpu_kind", lambda: "avx2")
     hf, loaded = tiny
     vocab = hf.config.vocab_size
     other = build_tiny(tmp_path, request.node.callspec.params["tiny"], seed=23)

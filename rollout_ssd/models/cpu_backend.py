@@ -146,6 +146,17 @@ _PAD_SMALL = {3: 4, 7: 8, 12: 16, 13: 16, 14: 16, 15: 16}
 ONE_THREAD_COLUMN_MAJOR_ROWS = 12
 # The LM head computes head @ rows.T up to this many rows, F.linear above (same run).
 HEAD_MM_T_MAX_ROWS = 64
+# By CPU kind: float32 linears of 2..N rows (a verify, a tree step, a small batch's decode) run x @ W.T
+# over the column-major storage (the LM head: over its column-major copy) instead of W @ x.T over a
+# row-major copy. Those rows were measured on one CPU per kind: on the AVX2 EPYC the W @ x.T form won
+# (the rule above), on an AVX-512 Xeon without bf16 units x @ W.T won from 2 to 8 rows, with one thread
+# and two, layers and head alike (bench/RESULTS.md, "A sixth CPU kind"; `bench/bench_gemm.py`).
+FLOAT32_COLUMN_MAJOR_ROWS = {"avx512": 8}
+
+
+def column_major_rows(m: int) -> bool:
+    """Whether an m-row float32 linear runs x @ W.T over column-major weights on this CPU."""
+    return m == 1 or m <= FLOAT32_COLUMN_MAJOR_ROWS.get(cpu_kind(), 1)
 
 
 def gemm_rows(m: int) -> int:
@@ -369,7 +380,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,
     column-major (`layer_weight`), the fastest form for one row. For 2..256 rows MKL is faster computing
     W @ x.T over a row-major W (2 threads, AVX2 EPYC, MKL 2024.2: 2..9 rows cost about what one row
     costs), so frozen weights keep a row-major copy in `copies`, and x is padded to `gemm_rows`; with
-    one thread, 12+ rows use x @ W.T over the column-major storage (as fast, no remainder penalty).
+    one thread, 12+ rows use x @ W.T over the column-major storage (as fast, no remainder penalty), and
+    so do the few rows `column_major_rows` names for this CPU kind.
     Weights that require grad use F.linear. The forms differ only in float32 rounding."""
     if copies.int4_group is not None:
         return quant.linear(x, w, copies, name, bias)
@@ -379,7 +391,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,
     m = x.numel() // x.shape[-1]
     if m < 2 or w.requires_grad or w.dtype != torch.float32 or not w.is_cpu or torch.compiler.is_compiling():
         return F.linear(x, w, bias)
-    if m >= ONE_THREAD_COLUMN_MAJOR_ROWS and w.t().is_contiguous() and torch.get_num_threads() == 1:
+    one_thread_wide = m >= ONE_THREAD_COLUMN_MAJOR_ROWS and torch.get_num_threads() == 1
+    if (one_thread_wide or column_major_rows(m)) and w.t().is_contiguous():
         return F.linear(x, w, bias)
     rows = w if w.is_contiguous() else copies.get(name, w, torch.Tensor.contiguous)
     out = padded_mm_t(rows, x.reshape(m, x.shape[-1]))
@@ -390,7 +403,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,
 
 def head_matmul(rows: torch.Tensor, head: torch.Tensor, copies: WeightCopies) -> torch.Tensor:
     """rows [M, H] @ head.T (the LM head, row-major) in the GEMM form fastest for M on a float32 CPU head
-    (MKL, AVX2 EPYC): M = 1 streams a column-major copy; 2 <= M <= HEAD_MM_T_MAX_ROWS computes head @ rows.T,
+    (MKL, AVX2 EPYC): M = 1 (and up to `FLOAT32_COLUMN_MAJOR_ROWS` where the CPU kind lists it) streams a
+    column-major copy; 2 <= M <= HEAD_MM_T_MAX_ROWS computes head @ rows.T,
     padded to `gemm_rows(M)`; other cases F.linear. The forms differ only in float32 rounding (int4: `linear`)."""
     if copies.int4_group is not None:
         return quant.linear(rows, head, copies, "lm_head")
@@ -400,7 +414,7 @@ def head_matmul(rows: torch.Tensor, head: torch.Tensor, copies: WeightCopies) ->
     m = rows.shape[0]
     cpu_f32 = head.dtype == torch.float32 and head.is_cpu and not rows.requires_grad \
         and not torch.compiler.is_compiling()
-    if cpu_f32 and m == 1:
+    if cpu_f32 and column_major_rows(m):
         return rows @ copies.get("lm_head_t", head, lambda h: h.t().contiguous())
     if cpu_f32 and m <= HEAD_MM_T_MAX_ROWS:
         return padded_mm_t(head, rows).contiguous()
