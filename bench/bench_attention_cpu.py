@@ -1,5 +1,5 @@
 """Attention of a few queries per row on a CPU cache: PyTorch SDPA (its CPU flash kernel, with a
-visibility mask) against the decoder's explicit form (`cpu_backend.explicit_attention`), at SmolLM2's
+visibility mask) against the decoder's explicit form (`attention.explicit_attention`), at SmolLM2's
 attention shape (9 query / 3 KV heads, head dim 64), bf16 and float32; time per call (median of
 `--calls` after a warm-up) and max error against float64 SDPA on the same inputs. Table, JSON last line.
 
@@ -17,7 +17,7 @@ from common import add_repo_to_path, machine_note, print_json_line, print_table,
 
 add_repo_to_path()
 
-from rollout_ssd.models.cpu_backend import explicit_attention  # noqa: E402
+from rollout_ssd.models.attention import explicit_attention  # noqa: E402
 
 SHAPES = ((1, 1, 200), (4, 1, 200), (4, 5, 200), (24, 1, 300), (8, 5, 300))  # batch, queries, keys
 

@@ -39,7 +39,7 @@ class WholeStep(nn.Module):
         self.vc = [torch.zeros(shape, dtype=model.dtype) for _ in range(cfg.num_layers)]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        from rollout_ssd.models.cpu_backend import explicit_attention
+        from rollout_ssd.models.attention import explicit_attention
         from rollout_ssd.models.decoder import rms_norm
 
         model = self.model

@@ -126,8 +126,8 @@ class EngineConfig:
     cuda_graphs.
     attention: the attention backend of the models the engine runs (models/attention.py): "sdpa"
     (PyTorch SDPA with a dense visibility mask), "triton" (the span-based Triton kernel for decode,
-    verify and SSD's tree steps; prefill stays on SDPA; opt-in: it has not run on a GPU yet), or "auto"
-    (sdpa, until bench/gpu_check.py has measured the kernel on a GPU). "triton" on a CPU runs under
+    verify and SSD's tree steps; prefill stays on SDPA), or "auto" (triton for a CUDA target with
+    cuda_graphs, where it measured faster on an H200; sdpa otherwise: `attention.auto_attention`). "triton" on a CPU runs under
     Triton's interpreter only (TRITON_INTERPRET=1 set before triton is first imported: for tests), and
     is a ValueError otherwise."""
 

@@ -19,6 +19,7 @@ close; the cases are seeded, so the outcome is the same on every run, and logpro
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -28,7 +29,7 @@ import pytest
 import torch
 
 from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig
-from rollout_ssd.models.attention import SDPABackend, select_backend
+from rollout_ssd.models.attention import SDPABackend, auto_attention, select_backend
 from rollout_ssd.runner import ModelRunner
 from rollout_ssd.ssd.tree import tree_spans
 from tests.support.attention_bound import attention_error_bound
@@ -49,14 +50,22 @@ ENGINES = [  # name, method, SpecConfig extras, cuda_graphs
 def test_select_backend_and_its_errors(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert isinstance(select_backend("sdpa", "cpu"), SDPABackend)
-    assert isinstance(select_backend("auto", "cpu"), SDPABackend)  # auto is sdpa until measured on a GPU
+    assert isinstance(select_backend("auto", "cpu"), SDPABackend)
+    assert isinstance(select_backend("auto", "cpu", static_steps=True), SDPABackend)
     assert isinstance(select_backend("auto", "meta"), SDPABackend)
+    # auto on CUDA: the span kernel under captured steps (measured faster there on an H200), else SDPA
+    # (asked of auto_attention: building the Triton backend would import triton in this process)
+    assert auto_attention("cuda", static_steps=False) == "sdpa" and auto_attention("cpu", static_steps=True) == "sdpa"
+    has_triton = importlib.util.find_spec("triton") is not None
+    assert auto_attention("cuda:0", static_steps=True) == ("triton" if has_triton else "sdpa")
     with pytest.raises(ValueError, match="EngineConfig.attention='triton' on a CPU runs only under Triton's interpreter"):
         select_backend("triton", "cpu")
     with pytest.raises(ValueError, match="EngineConfig.attention must be one of"):
         select_backend("flash", "cpu")
     with pytest.raises(ValueError, match="EngineConfig.attention must be one of"):
         EngineConfig(attention="flash")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)  # triton not installed
+    assert auto_attention("cuda", static_steps=True) == "sdpa"
 
 
 def test_engine_sets_each_models_backend(tmp_path, monkeypatch):

@@ -92,11 +92,11 @@ def test_warm_packed_packs_every_linear_and_changes_no_output(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("b,t,length", [(1, 1, 37), (4, 1, 200), (3, 5, 64), (2, 16, 50)])
 def test_explicit_attention_is_gqa_masked_attention_within_its_output_rounding(dtype, b, t, length):
-    """cpu_backend.explicit_attention (a few queries over a 16-bit CPU cache) against float64 SDPA with the
+    """attention.explicit_attention (a few queries over a 16-bit CPU cache) against float64 SDPA with the
     same mask and GQA grouping: every element within the output dtype's rounding of the reference (the
     unit roundoff, 2^-8 / 2^-11 relative for bf16 / fp16) plus the float32 arithmetic's share (1e-5 of the
     largest magnitude); the bound is computed from the case, not from this CPU's kernels."""
-    from rollout_ssd.models.cpu_backend import explicit_attention, explicit_attention_applies
+    from rollout_ssd.models.attention import explicit_attention, explicit_attention_applies
 
     g = torch.Generator().manual_seed(b * 1000 + t * 10 + length)
     q = torch.randn(b, 9, t, 64, generator=g).to(dtype)

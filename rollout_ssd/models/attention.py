@@ -8,8 +8,8 @@ each layer's queries over that layer's whole KV cache (`__call__`):
   sdpa    PyTorch SDPA over the rows' caches cut to the read length (a view when the slots are one
           run, else a gather), with a dense [B, 1, T, L] visibility mask (none when every query sees
           every key: the equal-length decode). On every device; on CUDA, SDPA picks its fused kernel; on a
-          CPU, a few queries per row over a 16-bit cache take the CPU backend's explicit form instead
-          (models/cpu_backend.py: the CPU flash kernel with a mask is several times slower there).
+          CPU, a few queries per row over a 16-bit cache take an explicit softmax(q k^T) v instead
+          (`explicit_attention`: the CPU flash kernel with a mask is several times slower there).
   triton  the span-based Triton kernel (rollout_ssd/kernels/tree_attention.py): each query reads only
           its own keys, given as half-open spans of its slot ([Nq, S, 2] on the device), so no mask is
           built, no slot is gathered and the masked tail is never loaded. Decode's query sees
@@ -37,7 +37,6 @@ import torch
 import torch.nn.functional as F
 
 from rollout_ssd.config import ATTENTION
-from rollout_ssd.models import cpu_backend
 
 
 @dataclass(frozen=True)
@@ -118,6 +117,34 @@ def _visible_mask(layout: KeyLayout) -> Optional[torch.Tensor]:
     return mask[:, None]
 
 
+# Attention of a few queries per row over a 16-bit CPU cache (decode, verify, SSD's tree steps): PyTorch's
+# CPU flash kernel with a visibility mask costs several times the explicit softmax(q k^T) v on float32
+# copies at batch 4 and more (bench/RESULTS.md, "Attention of a few queries on a bf16 CPU cache"), which
+# is also closer to a float64 reference. float32 caches and longer (prefill) rows keep SDPA.
+EXPLICIT_ATTENTION_MAX_QUERIES = 16
+
+
+def explicit_attention_applies(q: torch.Tensor) -> bool:
+    """Whether `explicit_attention` serves this attention call: q [B, Hq, T, D] 16-bit on a CPU, T small."""
+    return q.is_cpu and q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] <= EXPLICIT_ATTENTION_MAX_QUERIES
+
+
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                       scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v for q [B, Hq, T, D], k, v [B, Hkv, L, D] (query head h reads kv
+    head h // (Hq / Hkv)), mask [B, 1, T, L] bool (True = visible) or None; in float32, cast back to q's
+    dtype. Every query must see at least one key."""
+    b, hq, t, d = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    g = hq // hkv
+    scores = torch.matmul(q.reshape(b, hkv, g * t, d).float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:  # [B, Hkv, g, T, L] against [B, 1, 1, T, L]
+        scores = scores.view(b, hkv, g, t, length).masked_fill(~mask[:, :, None], float("-inf"))
+        scores = scores.view(b, hkv, g * t, length)
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.float())  # [B, Hkv, g * T, D]
+    return out.view(b, hq, t, d).to(q.dtype)
+
+
 class SDPABackend(AttentionBackend):
     def prepare(self, layout: KeyLayout) -> MaskedRead:
         mask = _visible_mask(layout)
@@ -128,8 +155,8 @@ class SDPABackend(AttentionBackend):
 
     def __call__(self, q, k_cache, v_cache, prepared: MaskedRead, scale):
         k, v = prepared.read(k_cache), prepared.read(v_cache)
-        if cpu_backend.explicit_attention_applies(q):  # a few queries on a 16-bit CPU cache: the CPU backend's form
-            return cpu_backend.explicit_attention(q, k, v, prepared.mask, scale)
+        if explicit_attention_applies(q):  # a few queries on a 16-bit CPU cache: the explicit form
+            return explicit_attention(q, k, v, prepared.mask, scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=prepared.mask, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
 
@@ -196,16 +223,29 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def select_backend(name: str, device: torch.device | str) -> AttentionBackend:
+def auto_attention(device: torch.device | str, static_steps: bool) -> str:
+    """What attention "auto" runs for a model on `device`: "triton" for a CUDA model whose decode and
+    verify run as captured static steps (`static_steps`: EngineConfig.cuda_graphs, the target), where
+    triton is installed; "sdpa" otherwise. On an H200 the span kernel's graphed steps beat SDPA's at every
+    shape bench/gpu_check.py measured (Llama-3-8B- and 1B-shaped, batch 1 to 64, one token and K+1): a
+    static SDPA step reads every slot's whole cache, masked. Eager steps there were launch-bound and
+    mixed (bench/RESULTS.md, "The engine on an H200")."""
+    if static_steps and torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    return "sdpa"
+
+
+def select_backend(name: str, device: torch.device | str, static_steps: bool = False) -> AttentionBackend:
     """The backend `name` ("auto" | "sdpa" | "triton", EngineConfig.attention) for a model on `device`.
-    auto: sdpa on every device, until the Triton kernel has been measured on a GPU (bench/gpu_check.py's
-    attention part; no GPU has run it yet): then auto should pick what that measurement says. triton: a
-    CUDA device, or a CPU under Triton's interpreter; a ValueError naming the setting otherwise."""
+    auto: `auto_attention(device, static_steps)`. triton: a CUDA device, or a CPU under Triton's
+    interpreter; a ValueError naming the setting otherwise."""
     device = torch.device(device)
     if name not in ATTENTION:
         raise ValueError(f"EngineConfig.attention must be one of {ATTENTION}, got {name!r}")
     has_triton = importlib.util.find_spec("triton") is not None
-    if name in ("sdpa", "auto"):
+    if name == "auto":
+        name = auto_attention(device, static_steps)
+    if name == "sdpa":
         return SDPABackend()
     if not has_triton:
         raise ValueError("EngineConfig.attention='triton' needs triton installed (pip install triton)")

@@ -318,34 +318,6 @@ def linear_weights(model) -> list:
     return out + [(model.lm_head, None, model.copies, "lm_head")]
 
 
-# Attention of a few queries per row over a 16-bit CPU cache (decode, verify, SSD's tree steps): PyTorch's
-# CPU flash kernel with a visibility mask costs several times the explicit softmax(q k^T) v on float32
-# copies at batch 4 and more (bench/RESULTS.md, "Attention of a few queries on a bf16 CPU cache"), which
-# is also closer to a float64 reference. float32 caches and longer (prefill) rows keep SDPA.
-EXPLICIT_ATTENTION_MAX_QUERIES = 16
-
-
-def explicit_attention_applies(q: torch.Tensor) -> bool:
-    """Whether `explicit_attention` serves this attention call: q [B, Hq, T, D] 16-bit on a CPU, T small."""
-    return q.is_cpu and q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] <= EXPLICIT_ATTENTION_MAX_QUERIES
-
-
-def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                       scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale, masked) v for q [B, Hq, T, D], k, v [B, Hkv, L, D] (query head h reads kv
-    head h // (Hq / Hkv)), mask [B, 1, T, L] bool (True = visible) or None; in float32, cast back to q's
-    dtype. Every query must see at least one key."""
-    b, hq, t, d = q.shape
-    hkv, length = k.shape[1], k.shape[2]
-    g = hq // hkv
-    scores = torch.matmul(q.reshape(b, hkv, g * t, d).float(), k.float().transpose(-1, -2)) * scale
-    if mask is not None:  # [B, Hkv, g, T, L] against [B, 1, 1, T, L]
-        scores = scores.view(b, hkv, g, t, length).masked_fill(~mask[:, :, None], float("-inf"))
-        scores = scores.view(b, hkv, g * t, length)
-    out = torch.matmul(torch.softmax(scores, dim=-1), v.float())  # [B, Hkv, g * T, D]
-    return out.view(b, hq, t, d).to(q.dtype)
-
-
 # oneDNN makes a kernel per (weight shape, row count) the first time it meets one (a first call of a fresh
 # engine meets dozens: decode and verify at each batch size as the batch shrinks; bench/RESULTS.md, "The
 # SSD engine's first call"), and packs each weight on its first use. `warm_packed` does both when a model
