@@ -12,7 +12,9 @@ kernel (`aten._weight_int4pack_mm_for_cpu`) over an int4 copy of the weight, mad
 `WeightCopies` on first use and made again whenever the weight is written (an update). Groups of
 `group` consecutive input columns per output row share a scale and an offset (asymmetric min/max
 rounding, as torch's kernel expects: w ~ (q - 8) * scale + zero with q in 0..15). The bf16 or float32
-weights stay in the model: they are what updates write and what the copies are made from.
+weights stay in the model: they are what updates write and what the copies are made from. The kernel
+runs on bf16 activations and scales whatever the model's dtype (`KERNEL_DTYPE`): fed float32 it takes a
+path many times slower, even on a CPU without bf16 units (bench/RESULTS.md, "A sixth CPU kind").
 
 A quantized model is a draft only: its logits are not the target's, so nothing here is lossless on its
 own; verification against the unquantized target keeps the engine's outputs exact.
@@ -26,6 +28,7 @@ import torch
 
 INT4_GROUPS = (32, 64, 128)
 DEFAULT_GROUP = 32
+KERNEL_DTYPE = torch.bfloat16  # what the int4 kernel reads and writes (module docstring)
 
 
 def available() -> bool:
@@ -62,7 +65,7 @@ class Int4Weight:
     def __init__(self, w: torch.Tensor, group: int):
         codes, scales_zeros = int4_codes(w, group)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        self.scales_zeros = scales_zeros.to(w.dtype)
+        self.scales_zeros = scales_zeros.to(KERNEL_DTYPE)
         self.group = group
         self.rows = w.shape[0]
 
@@ -81,8 +84,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, copies, name: str, bias: Optional[t
         q = _int4_copy(copies, name, w)
         packed, scales_zeros, group, rows = q.packed, q.scales_zeros, q.group, q.rows
     m = x.numel() // x.shape[-1]
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(m, x.shape[-1]).to(w.dtype).contiguous(), packed, group,
-                                                       scales_zeros)  # the kernel reads A contiguous
+    a = x.reshape(m, x.shape[-1]).to(KERNEL_DTYPE).contiguous()  # the kernel reads A contiguous
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(a, packed, group, scales_zeros).to(w.dtype)
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], rows)
