@@ -23,6 +23,7 @@ from typing import Protocol
 
 import torch
 
+from rollout_ssd.gpu.devices import CUDA_CAPTURE_LOCK
 from rollout_ssd.named_update import NamedUpdate
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class UpdateQueue:
     def submit(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Validate an in-process update now (ValueError: nothing queued), queue it, apply it if idle."""
         update = NamedUpdate(named_tensors, version, what=self.holder.what)
-        with self._lock:
+        with self._lock, CUDA_CAPTURE_LOCK:  # the check runs kernels: never during a CUDA graph capture
             self.holder.check(update, self)
             self.newest = update.version
             self._queue.append(update)

@@ -57,7 +57,14 @@ def test_select_backend_and_its_errors(monkeypatch):
     # (asked of auto_attention: building the Triton backend would import triton in this process)
     assert auto_attention("cuda", static_steps=False) == "sdpa" and auto_attention("cpu", static_steps=True) == "sdpa"
     has_triton = importlib.util.find_spec("triton") is not None
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H200
     assert auto_attention("cuda:0", static_steps=True) == ("triton" if has_triton else "sdpa")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # no bf16 dots
+    assert auto_attention("cuda:0", static_steps=True) == "sdpa"
+    monkeypatch.setattr(torch.version, "hip", "6.2")  # ROCm: not measured
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 4))
+    assert auto_attention("cuda:0", static_steps=True) == "sdpa"
     with pytest.raises(ValueError, match="EngineConfig.attention='triton' on a CPU runs only under Triton's interpreter"):
         select_backend("triton", "cpu")
     with pytest.raises(ValueError, match="EngineConfig.attention must be one of"):
@@ -66,6 +73,24 @@ def test_select_backend_and_its_errors(monkeypatch):
         EngineConfig(attention="flash")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)  # triton not installed
     assert auto_attention("cuda", static_steps=True) == "sdpa"
+
+
+def test_the_engine_asks_auto_for_captured_steps_for_the_target_alone(tmp_path, monkeypatch):
+    """attention="auto" differs by whether a model's steps are captured: the engine says so for the
+    target (cuda_graphs) and never for the draft, whose steps run eagerly."""
+    from rollout_ssd import engine as engine_module
+    from tests.support.models import tiny_pair
+
+    asked = []
+    monkeypatch.setattr(engine_module, "select_backend",
+                        lambda name, device, static_steps=False: asked.append((name, static_steps)) or SDPABackend())
+    target, draft = tiny_pair(tmp_path, vocab=48)
+    for graphs in (False, True):
+        asked.clear()
+        engine = RolloutEngine(target, SpecConfig(method="sd", k=3),
+                               EngineConfig(max_batch_size=2, max_model_len=32, cuda_graphs=graphs), draft=draft)
+        engine.close()
+        assert asked == [("auto", graphs), ("auto", False)]  # the target, then the draft
 
 
 def test_engine_sets_each_models_backend(tmp_path, monkeypatch):

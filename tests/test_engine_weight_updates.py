@@ -207,3 +207,27 @@ def test_receiver_twenty_updates_full_and_delta_bitwise(setup):
     assert torch.allclose(torch.tensor(r.logprobs), ref, atol=1e-5, rtol=0)
     assert r.weight_version == 20
     engine.close()
+
+
+def test_an_update_is_not_checked_while_a_cuda_graph_is_captured(setup):
+    """Checking an update runs kernels on its tensors (finiteness); on a GPU, kernels from another thread
+    invalidate a CUDA graph being captured. So `update_weights` waits while `CUDA_CAPTURE_LOCK` (held by
+    every capture) is held, and goes on once it is released."""
+    import threading
+
+    from rollout_ssd.gpu.devices import CUDA_CAPTURE_LOCK
+
+    hf, loaded = setup
+    engine = RolloutEngine(loaded, SpecConfig(method="ar"), EngineConfig(max_batch_size=2, max_model_len=64))
+    _perturb(hf, 0.05, seed=1)
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (engine.update_weights(_named(hf), version=3), done.set()))
+    try:
+        with CUDA_CAPTURE_LOCK:  # as a capture on the engine's thread holds it
+            worker.start()
+            assert not done.wait(0.5)  # the update waits for the capture
+        assert done.wait(10)  # and is taken once it is over
+        assert engine.metrics()["sync/version"] == 3
+    finally:
+        worker.join(timeout=10)
+        engine.close()

@@ -57,6 +57,7 @@ def test_int4_linear_is_the_product_with_the_dequantized_weight(dtype, rows):
     bound = 4 * ((96 + 2) * EPS[torch.float32] * (x.to(kernel).double().abs() @ deq.abs().t())
                  + EPS[kernel] * product.abs() + EPS[dtype] * ref.abs()) + 1e-30
     assert out.dtype == dtype and out.shape == (rows, 80) and q.rows == 80
+    assert q.scales_zeros.dtype == kernel  # the kernel's fast path: fed float32 it runs many times slower
     assert ((out.double() - ref).abs() <= bound).all()
     strided = x.t().contiguous().t()  # the same x, column-major (as a compiled step may hand it over)
     assert (rows == 1 or not strided.is_contiguous()) and torch.equal(quant.linear(strided, w, copies, "w", bias), out)

@@ -148,7 +148,7 @@ def test_the_draft_thread_handles_no_message_while_a_cuda_graph_is_captured(pair
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_ssd_with_cuda_graphs_and_the_draft_thread_is_exact_on_cuda(pair, threaded, recwarn, tmp_path):
+def test_ssd_with_cuda_graphs_and_the_draft_thread_is_exact_on_cuda(threaded, recwarn, tmp_path):
     """SSD on a GPU: the draft thread builds trees while the target captures and replays its graphed
     decode and verify steps; greedy tokens equal AR's and the draft thread never fails."""
     from rollout_ssd import EngineConfig, RolloutEngine, SpecConfig
@@ -156,9 +156,12 @@ def test_ssd_with_cuda_graphs_and_the_draft_thread_is_exact_on_cuda(pair, thread
     target, draft = tiny_pair(tmp_path, vocab=48)  # the same pair, on the GPU
     target.model.to("cuda")
     draft.model.to("cuda")
-    want = [r.token_ids for r in ar_engine(pair[0], 3).sample(PROMPTS, GREEDY)]
+    config = EngineConfig(max_batch_size=3, max_model_len=64, cuda_graphs=True)
+    ar = RolloutEngine(target, SpecConfig(method="ar"), config)  # AR on the same GPU, backend and steps
+    want = [r.token_ids for r in ar.sample(PROMPTS, GREEDY)]
+    ar.close()
     spec = SpecConfig(method="ssd", k=3, worker=True, strategy_rule=False, fanout=(1, 1, 1, 2))
-    engine = RolloutEngine(target, spec, EngineConfig(max_batch_size=3, max_model_len=64, cuda_graphs=True), draft=draft)
+    engine = RolloutEngine(target, spec, config, draft=draft)
     try:
         got = [r.token_ids for r in engine.sample(PROMPTS, GREEDY)]
         assert isinstance(engine.strategy.client, ThreadDraftClient)

@@ -229,10 +229,14 @@ def auto_attention(device: torch.device | str, static_steps: bool) -> str:
     triton is installed; "sdpa" otherwise. On an H200 the span kernel's graphed steps beat SDPA's at every
     shape bench/gpu_check.py measured (Llama-3-8B- and 1B-shaped, batch 1 to 64, one token and K+1): a
     static SDPA step reads every slot's whole cache, masked. Eager steps there were launch-bound and
-    mixed (bench/RESULTS.md, "The engine on an H200")."""
-    if static_steps and torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None:
-        return "triton"
-    return "sdpa"
+    mixed (bench/RESULTS.md, "The engine on an H200"). Only on NVIDIA GPUs of compute capability 8.0+
+    (the kernel's bf16 dots need it; ROCm, which torch also calls "cuda", has not run it)."""
+    device = torch.device(device)
+    if not (static_steps and device.type == "cuda" and importlib.util.find_spec("triton") is not None):
+        return "sdpa"
+    if torch.version.hip is not None or torch.cuda.get_device_capability(device) < (8, 0):
+        return "sdpa"
+    return "triton"
 
 
 def select_backend(name: str, device: torch.device | str, static_steps: bool = False) -> AttentionBackend:

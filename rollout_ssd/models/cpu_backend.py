@@ -385,7 +385,7 @@ def head_matmul(rows: torch.Tensor, head: torch.Tensor, copies: WeightCopies) ->
         return packed
     m = rows.shape[0]
     cpu_f32 = head.dtype == torch.float32 and head.is_cpu and not rows.requires_grad \
-        and not torch.compiler.is_compiling()
+        and not head.requires_grad and not torch.compiler.is_compiling()
     if cpu_f32 and column_major_rows(m):
         return rows @ copies.get("lm_head_t", head, lambda h: h.t().contiguous())
     if cpu_f32 and m <= HEAD_MM_T_MAX_ROWS:

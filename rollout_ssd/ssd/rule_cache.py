@@ -50,7 +50,7 @@ from rollout_ssd.ssd.chooser import Chooser
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: float32 few-row GEMMs by CPU kind, the int4 draft's kernel in bf16 (what rounds cost changed)
 # SSDConfig fields that do not change what a round costs (failure handling, the cache itself)
 UNKEYED = ("worker_timeout", "startup_timeout", "fallback", "max_restarts", "rule_cache")
 

@@ -57,8 +57,8 @@ class ThreadDraftClient(DraftClient):
                     try:
                         with CUDA_CAPTURE_LOCK:  # never while the target captures a CUDA graph
                             reply = self.server.handle(msg)
-                        if wants_reply and self.stream is not None:  # what the reply holds is ready on any
-                            self.stream.synchronize()  # stream (messages run in order on this one)
+                            if wants_reply and self.stream is not None:  # what the reply holds is ready on
+                                self.stream.synchronize()  # any stream (messages run in order on this one)
                     except BaseException as err:  # reported to the caller at its next call
                         self._error = err
                 if wants_reply:
