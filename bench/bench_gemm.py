@@ -59,7 +59,7 @@ def main(argv=None):
         forms["head_matmul"] = (row_major, lambda x, w: head_matmul(x, w, copies))
     else:
         forms["decoder.linear"] = (col_major, lambda x, w: linear(x, w, copies, str(id(w))))
-    copies = WeightCopies()  # decoder.linear's row-major copies, made on first use (in the warm-up)
+    copies = WeightCopies()  # the copies decoder.linear / head_matmul make on first use (in the warm-up)
     for m in (int(x) for x in args.rows.split(",")):
         xs = {k: torch.randn(m, k, generator=gen) for k in (576, 1536)}
         calls = {}

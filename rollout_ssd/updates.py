@@ -70,8 +70,9 @@ class UpdateQueue:
     def submit(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Validate an in-process update now (ValueError: nothing queued), queue it, apply it if idle."""
         update = NamedUpdate(named_tensors, version, what=self.holder.what)
-        with self._lock, CUDA_CAPTURE_LOCK:  # the check runs kernels: never during a CUDA graph capture
-            self.holder.check(update, self)
+        with self._lock:
+            with CUDA_CAPTURE_LOCK:  # the check runs kernels: never during a CUDA graph capture
+                self.holder.check(update, self)
             self.newest = update.version
             self._queue.append(update)
         self._apply_when_idle()

@@ -335,7 +335,7 @@ def test_default_bf16_logits_within_bf16_rounding(default_model_f32, hf_default)
 
 def test_dtype_auto_is_the_cpu_backends_pick():
     """dtype "auto" is decided once, by the CPU backend: bfloat16 exactly where bf16 matmuls run natively
-    (CUDA, or oneDNN's bf16 kernels on this CPU), float32 elsewhere, with a line saying which and why."""
+    (CUDA, or a CPU with bf16 units), float32 elsewhere, with a line saying which and why."""
     from rollout_ssd.models import cpu_backend
     from rollout_ssd.models.loader import parse_dtype
 

@@ -6,13 +6,14 @@ import threading
 
 import torch
 
-# Held while a CUDA graph is captured (gpu/graphs.py `StaticStep.capture`) and by SSD's draft thread
-# around each message it handles (ssd/thread_client.py). A capture in CUDA's default ("global") mode is
-# invalidated by another thread's CUDA calls, and a random draw from another thread meanwhile leaves the
-# default CUDA generator marked as capturing, so every later draw in the process fails ("Offset increment
-# outside graph capture"): both seen on an H200 when the target captured its first verify step while the
-# draft thread built a tree. A capture is rare (once per step shape), so waiting for the draft thread's
-# current message costs nothing after the first rounds. Re-entrant: uncontended it costs next to nothing.
+# Held while a CUDA graph is captured (gpu/graphs.py `StaticStep.capture`), by SSD's draft thread
+# around each message it handles (ssd/thread_client.py) and while an update is checked (updates.py).
+# A capture in CUDA's default ("global") mode is invalidated by another thread's CUDA calls, and a
+# random draw from another thread meanwhile leaves the default CUDA generator marked as capturing, so
+# every later draw in the process fails ("Offset increment outside graph capture"): both seen on an
+# H200 when the target captured its first verify step while the draft thread built a tree. A capture
+# is rare (once per step shape), so waiting for the draft thread's current message costs nothing after
+# the first rounds. Re-entrant: uncontended it costs next to nothing.
 CUDA_CAPTURE_LOCK = threading.RLock()
 
 

@@ -186,7 +186,7 @@ def packed_bf16() -> bool:
     """Whether bf16 linears run over oneDNN-packed weights: the CPU has bf16 units and oneDNN's packed
     linear exists in this torch build."""
     ops = torch.ops.mkldnn
-    return cpu_kind() in ("amx", "avx512_bf16") and hasattr(ops, "_reorder_linear_weight") \
+    return cpu_kind() in BF16_UNITS and hasattr(ops, "_reorder_linear_weight") \
         and hasattr(ops, "_linear_pointwise") and bool(ops._is_mkldnn_bf16_supported())
 
 
