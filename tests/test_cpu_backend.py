@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollout_ssd.models import bf16_rows, cpu_backend
+from rollout_ssd.models import bf16_rows, cpu_backend, f32_rows
 from rollout_ssd.models.cpu_backend import WeightCopies, packed_bf16, packed_linear
 
 needs_packed = pytest.mark.skipif(not packed_bf16(), reason="this CPU has no bf16 units (the packed path is off)")
@@ -68,8 +68,8 @@ def test_bf16_decoder_outputs_are_unchanged_by_packing(tmp_path, monkeypatch, on
 
 def test_warm_packed_packs_every_linear_and_changes_no_output(tmp_path):
     """warm_packed (done when an engine takes a model) packs each frozen bf16 weight once per form it runs
-    in (oneDNN's, and the bf16 rows kernel's where that runs) and leaves the model's outputs bitwise as
-    they were; a no-op where the packed form does not apply (float32)."""
+    in (oneDNN's, and the bf16 rows kernel's where that runs), a float32 one for the float32 rows kernel
+    where that runs (else nothing), and leaves the model's outputs bitwise as they were."""
     from rollout_ssd.models.cpu_backend import warm_packed
     from rollout_ssd.models.loader import load_pretrained
     from rollout_ssd.runner import ModelRunner
@@ -83,7 +83,9 @@ def test_warm_packed_packs_every_linear_and_changes_no_output(tmp_path):
             warm_packed(model, rows=4)
             packed = sum(len(layer.row_major) for layer in model.layers) + len(model.copies)
             forms = int(packed_bf16()) + int(bf16_rows.available())  # oneDNN's copy, the rows kernel's
-            assert packed == ((4 * len(model.layers) + 1) * forms if dtype == "bfloat16" else 0)
+            if dtype == "float32":  # the float32 rows kernel's copy, where it runs on this CPU kind
+                forms = int(bool(cpu_backend.F32_ROWS_KERNEL_ROWS.get(cpu_backend.cpu_kind())) and f32_rows.available())
+            assert packed == (4 * len(model.layers) + 1) * forms
         runner = ModelRunner(model, num_slots=2, max_len=32)
         outs.append(runner.prefill([0, 1], [[1, 2, 3, 4], [5, 6]]))
     assert torch.equal(outs[0], outs[1])

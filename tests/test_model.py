@@ -158,6 +158,7 @@ def test_gemm_rows_pad_to_fast_widths_and_drop_the_padding(kind, monkeypatch):
     from rollout_ssd.models.cpu_backend import WeightCopies, gemm_rows, head_matmul, linear
 
     monkeypatch.setattr(cpu_backend, "cpu_kind", lambda: kind)
+    monkeypatch.setattr(cpu_backend.f32_rows, "_ON", False)  # MKL's forms here; the rows kernel: test_f32_rows.py
     for m in range(1, 200):
         p = gemm_rows(m)
         assert m <= p <= m + 7 and (m <= 16 or p % 8 == 0), (m, p)

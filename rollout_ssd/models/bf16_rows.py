@@ -13,9 +13,8 @@ the row count and the other rows, so a row's result does not depend on the batch
 kernels change their blocking with the row count). It is not bitwise F.linear (another summation
 order); tests bound it against a float64 reference.
 
-How it is built: with the C compiler found (`cc`, or $CC) on first use, into a cache directory
-($ROLLOUT_SSD_KERNEL_CACHE, else ~/.cache/rollout_ssd/kernels; a per-user folder of the temporary
-directory where that cannot be written), keyed by the source and the flags, and loaded with ctypes; its
+How it is built: with the C compiler found (`cc`, or $CC) on first use, into the kernel cache
+(kernel_build.py), keyed by the source and the flags, and loaded with ctypes; its
 OpenMP threads are torch's own (the library links libgomp.so.1, which torch has loaded). Where the CPU
 has no avx512_bf16, no compiler is found, or the build or the load fails, `available()` is False and
 cpu_backend keeps oneDNN's packed linear. $ROLLOUT_SSD_BF16_ROWS=0 (or `set_enabled(False)`) turns it
@@ -33,17 +32,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from rollout_ssd.models import kernel_build
 
 log = logging.getLogger(__name__)
 
@@ -58,24 +56,6 @@ def cpu_has_avx512_bf16() -> bool:
     from rollout_ssd.models.cpu_backend import cpu_flags
 
     return {"avx512_bf16", "avx512bw", "avx512vl"} <= cpu_flags()
-
-
-def _cache_dirs() -> list[Path]:
-    """Where built libraries live: $ROLLOUT_SSD_KERNEL_CACHE or ~/.cache/rollout_ssd/kernels, and a
-    per-user folder in the temporary directory where that one cannot be written (a read-only home)."""
-    root = os.environ.get("ROLLOUT_SSD_KERNEL_CACHE") or Path.home() / ".cache" / "rollout_ssd" / "kernels"
-    return [Path(root), Path(tempfile.gettempdir()) / f"rollout_ssd-kernels-{os.getuid()}"]
-
-
-def _private(folder: Path) -> bool:
-    """Whether libraries in this folder may be loaded: it is ours and nobody else can write to it (the
-    temporary directory is shared, and a folder another user made first at our name could hold a
-    planted library), or it does not exist yet."""
-    try:
-        st = folder.stat()
-    except (FileNotFoundError, NotADirectoryError):  # not there (yet): whoever makes it is checked then
-        return True
-    return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def _torch_root() -> Path:
@@ -94,46 +74,17 @@ def _op_command() -> tuple[str, ...]:
 def default_compiler(op: bool = False) -> str:
     """The compiler `build` runs: for the C kernel $CC, else `cc` or `gcc`; for the op's C++ kernel
     (op) $CXX, else `c++` or `g++`."""
-    if op:
-        return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
+    return kernel_build.default_compiler(cpp=op)
 
 
 def build(compiler: Optional[str] = None, op: bool = False) -> Path:
     """Compile csrc/bf16_rows.c (op: csrc/bf16_rows_op.cpp, the op's C++ kernel over the same C code,
-    with a C++ compiler) into the cache, once per source, flags and (op) torch version, and return the
-    library's path. Concurrent builders (an engine and its SSD worker process) each write a temporary
-    file and rename it, so a reader never sees half a library. Raises CalledProcessError / OSError."""
-    cmd = compiler or default_compiler(op)
-    source, flags, name = (OP_SOURCE, (*FLAGS, *_op_command()), "bf16_rows_op") if op else (SOURCE, FLAGS, "bf16_rows")
-    text = SOURCE.read_bytes() + (OP_SOURCE.read_bytes() + torch.__version__.encode() if op else b"")
-    key = hashlib.sha256(text + " ".join((cmd, *flags)).encode()).hexdigest()[:16]
-    dirs = [d for d in _cache_dirs() if _private(d)]
-    for folder in dirs:
-        if (folder / f"{name}-{key}.so").exists():
-            return folder / f"{name}-{key}.so"
-    for folder in dirs:
-        try:
-            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if not _private(folder):  # made by another user between the check above and now
-                continue
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-        except OSError:
-            continue
-        break
-    else:
-        raise OSError(f"no writable folder for the bf16 rows kernel among {[str(d) for d in dirs]}")
-    os.close(fd)
-    target = folder / f"{name}-{key}.so"
-    try:
-        # the linker's inputs after the source: a library named before the file that uses it is dropped
-        subprocess.run([cmd, *FLAGS, str(source), *flags[len(FLAGS):], "-o", tmp], check=True,
-                       capture_output=True, text=True)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    with a C++ compiler) into the kernel cache (kernel_build.py), once per source, flags and (op) torch
+    version, and return the library's path. Raises CalledProcessError / OSError."""
+    if op:
+        return kernel_build.build_library("bf16_rows_op", OP_SOURCE, FLAGS, _op_command(),
+                                          SOURCE.read_bytes() + torch.__version__.encode(), compiler or default_compiler(op))
+    return kernel_build.build_library("bf16_rows", SOURCE, FLAGS, compiler=compiler or default_compiler())
 
 
 @functools.cache

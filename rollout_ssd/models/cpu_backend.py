@@ -3,10 +3,9 @@
 The decoder (decoder.py) states the model; this module decides how its matmuls run on the machine
 found. Every choice here changes float32 results only at rounding level (the same products, summed in
 another order), never the model:
-- layer matrices: float32 ones are stored column-major (`layer_weight`), the fastest form for one row
-  (a decode step at batch 1); 2+ rows run W @ x.T over a cached row-major copy (`linear`,
-  `WeightCopies`), with the row count padded to a width MKL has no remainder penalty at (`gemm_rows`);
-- the LM head: its GEMM form by row count (`head_matmul`);
+- layer matrices: float32 ones are stored column-major (`layer_weight`), the fastest form for one row;
+  2..8 rows run the float32 rows kernel (f32_rows.py) where the CPU kind lists it, else MKL in the
+  form measured fastest per kind (`linear`, `WeightCopies`, `gemm_rows`); the LM head likewise (`head_matmul`);
 - bf16 on a CPU with bf16 units (`packed_linear`): at 1..`rows_kernel_rows()` rows (per CPU kind), where
   the CPU has avx512_bf16, the bf16 rows kernel (bf16_rows.py: bf16 dot products over a copy in its blocked layout,
   the weight read at memory speed, a row's result independent of its batch; within bf16 rounding of
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout_ssd.models import bf16_rows, quant
+from rollout_ssd.models import bf16_rows, f32_rows, quant
 
 log = logging.getLogger(__name__)
 
@@ -146,12 +145,18 @@ _PAD_SMALL = {3: 4, 7: 8, 12: 16, 13: 16, 14: 16, 15: 16}
 ONE_THREAD_COLUMN_MAJOR_ROWS = 12
 # The LM head computes head @ rows.T up to this many rows, F.linear above (same run).
 HEAD_MM_T_MAX_ROWS = 64
-# By CPU kind: float32 linears of 2..N rows (a verify, a tree step, a small batch's decode) run x @ W.T
-# over the column-major storage (the LM head: over its column-major copy) instead of W @ x.T over a
-# row-major copy. Those rows were measured on one CPU per kind: on the AVX2 EPYC the W @ x.T form won
-# (the rule above), on an AVX-512 Xeon without bf16 units x @ W.T won from 2 to 8 rows, with one thread
-# and two, layers and head alike (bench/RESULTS.md, "A sixth CPU kind"; `bench/bench_gemm.py`).
+# By CPU kind: float32 linears of 2..N rows run x @ W.T over the column-major storage (the LM head: its
+# column-major copy) instead of W @ x.T over a row-major copy: on the AVX2 EPYC W @ x.T won, on the AVX-512
+# Xeon x @ W.T from 2 to 8 rows (bench/RESULTS.md, "A sixth CPU kind"), where the rows kernel now runs them.
 FLOAT32_COLUMN_MAJOR_ROWS = {"avx512": 8}
+# By CPU kind: float32 linears and LM head of 2..N rows run f32_rows.py's kernel where it builds (on the
+# AVX-512 Xeon faster than MKL's forms from 2 rows, slower at 1: bench/RESULTS.md, "The float32 rows kernel").
+F32_ROWS_KERNEL_ROWS = {"avx512": 8}
+
+
+def _f32_rows(x: torch.Tensor, w: torch.Tensor, m: int) -> bool:
+    return 2 <= m <= F32_ROWS_KERNEL_ROWS.get(cpu_kind(), 0) and x.dtype == w.dtype == torch.float32 and w.is_cpu \
+        and not (w.requires_grad or x.requires_grad or torch.compiler.is_compiling()) and f32_rows.available()
 
 
 def column_major_rows(m: int) -> bool:
@@ -311,27 +316,27 @@ def _packs(model) -> bool:
 
 
 def linear_weights(model) -> list:
-    """(weight, bias, its WeightCopies, name) for every linear of a Decoder: the layers' four, and the LM
-    head."""
+    """(weight, bias, its WeightCopies, name) for every linear of a Decoder: the layers' four, the LM head."""
     out = [(getattr(layer, name), bias, layer.row_major, name) for layer in model.layers
            for name, bias in (("wqkv", layer.bqkv), ("wo", None), ("w_gate_up", None), ("w_down", None))]
     return out + [(model.lm_head, None, model.copies, "lm_head")]
 
 
-# oneDNN makes a kernel per (weight shape, row count) the first time it meets one (a first call of a fresh
-# engine meets dozens: decode and verify at each batch size as the batch shrinks; bench/RESULTS.md, "The
-# SSD engine's first call"), and packs each weight on its first use. `warm_packed` does both when a model
-# is put to work.
+# oneDNN makes a kernel per (weight shape, row count) on first meeting one (a fresh engine's first call meets
+# dozens; bench/RESULTS.md, "The SSD engine's first call"); `warm_packed` makes them and the copies up front.
 WARM_ROWS = 32
 _WARMED: set[tuple] = set()  # (weight shape, bias?, rows) whose kernels this process has made: oneDNN keeps them
 
 
 def warm_packed(model, rows: int = WARM_ROWS) -> None:
-    """Pack a frozen bf16 CPU model's linear weights (for the bf16 rows kernel and for oneDNN) and make
-    oneDNN's kernels for the row counts up to `rows` it serves, for each distinct weight shape (the
-    layers share theirs; a later engine over the same shapes makes none) and of the LM head. A no-op
-    where the packed form does not apply. The outputs are thrown away; nothing is written."""
+    """Pack a frozen bf16 CPU model's linear weights (bf16 rows kernel, oneDNN) and make oneDNN's kernels
+    for the row counts up to `rows` it serves, per distinct weight shape (the layers share theirs; a later
+    engine over the same shapes makes none) and the LM head; a float32 model's float32 rows kernel copies
+    where it runs. Otherwise a no-op. The outputs are thrown away; nothing is written."""
     if not _packs(model):
+        if model.dtype == torch.float32 and model.embed.is_cpu and model.copies.int4_group is None \
+                and F32_ROWS_KERNEL_ROWS.get(cpu_kind()) and f32_rows.available():
+            f32_rows.warm(linear_weights(model))
         return
     kernel_rows = rows_kernel_rows() if bf16_rows.available() else 0  # the rows kernel has no per-shape state
     with torch.inference_mode():
@@ -347,14 +352,12 @@ def warm_packed(model, rows: int = WARM_ROWS) -> None:
 
 def linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,
            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear(x, w, bias); for 2+ rows of a frozen float32 CPU weight, the fastest GEMM form measured
-    (int4 where the model was made an int4 draft, quant.py). The layers store float32 matrices
-    column-major (`layer_weight`), the fastest form for one row. For 2..256 rows MKL is faster computing
-    W @ x.T over a row-major W (2 threads, AVX2 EPYC, MKL 2024.2: 2..9 rows cost about what one row
-    costs), so frozen weights keep a row-major copy in `copies`, and x is padded to `gemm_rows`; with
-    one thread, 12+ rows use x @ W.T over the column-major storage (as fast, no remainder penalty), and
-    so do the few rows `column_major_rows` names for this CPU kind.
-    Weights that require grad use F.linear. The forms differ only in float32 rounding."""
+    """F.linear(x, w, bias) in the fastest form measured for the row count and CPU (int4 for an int4
+    draft, quant.py; bf16: `packed_linear`). float32: one row, x @ W.T over the column-major storage
+    (`layer_weight`); 2+ rows of a frozen weight, the float32 rows kernel where `F32_ROWS_KERNEL_ROWS`
+    lists the CPU kind, else W @ x.T over a row-major copy in `copies` (AVX2 EPYC, MKL 2024.2: 2..9 rows
+    cost about one row), x padded to `gemm_rows`, or x @ W.T where `column_major_rows` says so, as with
+    one thread from 12 rows on. Weights that require grad use F.linear. The forms differ in rounding only."""
     if copies.int4_group is not None:
         return quant.linear(x, w, copies, name, bias)
     packed = packed_linear(x, w, copies, name, bias)
@@ -363,6 +366,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,
     m = x.numel() // x.shape[-1]
     if m < 2 or w.requires_grad or w.dtype != torch.float32 or not w.is_cpu or torch.compiler.is_compiling():
         return F.linear(x, w, bias)
+    if _f32_rows(x, w, m):
+        out = f32_rows.linear(x.reshape(m, x.shape[-1]), copies.get(name + ":f32rows", w, f32_rows.pack), w.shape[0], bias)
+        return out.view(*x.shape[:-1], w.shape[0])
     one_thread_wide = m >= ONE_THREAD_COLUMN_MAJOR_ROWS and torch.get_num_threads() == 1
     if (one_thread_wide or column_major_rows(m)) and w.t().is_contiguous():
         return F.linear(x, w, bias)
@@ -374,10 +380,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,
 
 
 def head_matmul(rows: torch.Tensor, head: torch.Tensor, copies: WeightCopies) -> torch.Tensor:
-    """rows [M, H] @ head.T (the LM head, row-major) in the GEMM form fastest for M on a float32 CPU head
-    (MKL, AVX2 EPYC): M = 1 (and up to `FLOAT32_COLUMN_MAJOR_ROWS` where the CPU kind lists it) streams a
-    column-major copy; 2 <= M <= HEAD_MM_T_MAX_ROWS computes head @ rows.T,
-    padded to `gemm_rows(M)`; other cases F.linear. The forms differ only in float32 rounding (int4: `linear`)."""
+    """rows [M, H] @ head.T (the LM head, row-major) in the form fastest for M on a float32 CPU head: the
+    rows kernel as in `linear`; M = 1 (and up to `FLOAT32_COLUMN_MAJOR_ROWS` by CPU kind) a column-major
+    copy; 2 <= M <= HEAD_MM_T_MAX_ROWS head @ rows.T padded to `gemm_rows(M)`; else F.linear."""
     if copies.int4_group is not None:
         return quant.linear(rows, head, copies, "lm_head")
     packed = packed_linear(rows, head, copies, "lm_head")
@@ -386,6 +391,8 @@ def head_matmul(rows: torch.Tensor, head: torch.Tensor, copies: WeightCopies) ->
     m = rows.shape[0]
     cpu_f32 = head.dtype == torch.float32 and head.is_cpu and not rows.requires_grad \
         and not head.requires_grad and not torch.compiler.is_compiling()
+    if cpu_f32 and _f32_rows(rows, head, m):
+        return f32_rows.linear(rows, copies.get("lm_head:f32rows", head, f32_rows.pack), head.shape[0])
     if cpu_f32 and column_major_rows(m):
         return rows @ copies.get("lm_head_t", head, lambda h: h.t().contiguous())
     if cpu_f32 and m <= HEAD_MM_T_MAX_ROWS:
