@@ -4,7 +4,7 @@ The decoder (decoder.py) states the model; this module decides how its matmuls r
 found. Every choice here changes float32 results only at rounding level (the same products, summed in
 another order), never the model:
 - layer matrices: float32 ones are stored column-major (`layer_weight`), the fastest form for one row;
-  2..8 rows run the float32 rows kernel (f32_rows.py) where the CPU kind lists it, else MKL in the
+  2..24 rows run the float32 rows kernel (f32_rows.py) where the CPU kind lists it, else MKL in the
   form measured fastest per kind (`linear`, `WeightCopies`, `gemm_rows`); the LM head likewise (`head_matmul`);
 - bf16 on a CPU with bf16 units (`packed_linear`): at 1..`rows_kernel_rows()` rows (per CPU kind), where
   the CPU has avx512_bf16, the bf16 rows kernel (bf16_rows.py: bf16 dot products over a copy in its blocked layout,
@@ -150,8 +150,8 @@ HEAD_MM_T_MAX_ROWS = 64
 # Xeon x @ W.T from 2 to 8 rows (bench/RESULTS.md, "A sixth CPU kind"), where the rows kernel now runs them.
 FLOAT32_COLUMN_MAJOR_ROWS = {"avx512": 8}
 # By CPU kind: float32 linears and LM head of 2..N rows run f32_rows.py's kernel where it builds (on the
-# AVX-512 Xeon faster than MKL's forms from 2 rows, slower at 1: bench/RESULTS.md, "The float32 rows kernel").
-F32_ROWS_KERNEL_ROWS = {"avx512": 8}
+# AVX-512 Xeon 1.2-1.4x MKL's best form at 2..24 rows, 1.06x at 32, 0.9x at 1: RESULTS, "The float32 rows kernel").
+F32_ROWS_KERNEL_ROWS = {"avx512": 24}
 
 
 def _f32_rows(x: torch.Tensor, w: torch.Tensor, m: int) -> bool:

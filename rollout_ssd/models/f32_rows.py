@@ -4,7 +4,7 @@ Why a kernel of our own: at a few rows (a verify of K+1 tokens, a draft's tree s
 decode) a float32 linear is bound by reading its weight, yet MKL's few-row sgemm, in either GEMM form,
 and inductor's templates cost a 4-row verify about 1.3-1.5 one-row steps on an AVX-512 Xeon (bench/
 RESULTS.md, "A sixth CPU kind", "The float32 rows kernel"). Here each weight vector loaded feeds one fused
-multiply-add per row, so 2..8 rows cost about what one does.
+multiply-add per row: 2..8 rows cost about what one does, and up to 24 rows it beats MKL's forms.
 
 What it computes: x [m, k] @ w.T (+ bias) in float32 over a copy of w in the kernel's blocked layout
 (`pack`: tiles of `tile()` outputs, one line per k). Each output's sum is one fused multiply-add per k,
