@@ -184,3 +184,23 @@ def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> dict:
     read = min(time_call(lambda: src.sum(), repeats))
     size = n * 4
     return {"bytes": size, "copy_gbps": 2 * size / copy / 1e9, "read_gbps": size / read / 1e9}
+
+
+def frozen_step_timing(model, tokens: int, prompt: Sequence[int], repeats: int) -> tuple[float, float]:
+    """(compile seconds, median ms) of `model`'s frozen compiled step of `tokens` tokens at one row after
+    `prompt` (`ModelRunner.use_static_steps(compiled="frozen")`, steps of 2+ tokens padded to `tokens`),
+    at torch's current thread count; the first call is the compile."""
+    from rollout_ssd.runner import ModelRunner
+
+    runner = ModelRunner(model, num_slots=1, max_len=512)
+    runner.use_static_steps(compiled="frozen", pad_t=max(tokens, 2))
+    slot = runner.allocate()
+    runner.prefill([slot], [list(prompt)])
+
+    def step():
+        runner.extend([slot], [[5] * tokens], last_only=True)
+        runner.rollback(slot, len(prompt))
+    t0 = time.perf_counter()
+    step()  # its compile
+    compile_s = time.perf_counter() - t0
+    return compile_s, median_seconds(step, repeats) * 1e3

@@ -22,7 +22,7 @@ import statistics
 import time
 
 import torch
-from common import add_repo_to_path, load_default_pair, machine_note, print_json_line, print_table
+from common import add_repo_to_path, frozen_step_timing, load_default_pair, machine_note, print_json_line, print_table
 
 add_repo_to_path()
 from rollout_ssd.models import bf16_rows, quant  # noqa: E402
@@ -134,18 +134,8 @@ def compiled_steps(args) -> list[dict]:
     prompt = list(range(100, 220))
     rows = []
     for t in (1, 2, 3):
-        runner = ModelRunner(draft.model, num_slots=1, max_len=512)
-        runner.use_static_steps(compiled="frozen", pad_t=max(t, 2))
-        slot = runner.allocate()
-        runner.prefill([slot], [prompt])
-
-        def step(t=t, runner=runner, slot=slot):
-            runner.extend([slot], [[5] * t], last_only=True)
-            runner.rollback(slot, len(prompt))
-        t0 = time.perf_counter()
-        step()  # its compile
-        rows.append({"threads": max(args.threads), "tokens": t, "compile s": time.perf_counter() - t0,
-                     "frozen step ms": _median_ms(step, args.repeats)})
+        compile_s, ms = frozen_step_timing(draft.model, t, prompt, args.repeats)
+        rows.append({"threads": max(args.threads), "tokens": t, "compile s": compile_s, "frozen step ms": ms})
     return rows
 
 

@@ -166,13 +166,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.T
             or tuple(packed.shape[1:]) != (k // 2, TILE, 2) or k % 2 or packed.shape[0] * TILE < n:
         raise ValueError(f"bf16_rows.linear: x {tuple(x.shape)} {x.dtype} does not fit packed "
                          f"{tuple(packed.shape)} {packed.dtype} with n={n}")
-    if not packed.is_contiguous() or packed.data_ptr() % 64 or not packed.is_cpu or not x.is_cpu:
-        raise ValueError("bf16_rows.linear: packed must be a contiguous, 64-byte aligned CPU tensor as pack() "
-                         "makes it, and x a CPU tensor")
-    if bias is not None and bias.numel() != n:
-        raise ValueError(f"bf16_rows.linear: bias has {bias.numel()} elements, n={n}")
-    if n < 0:
-        raise ValueError(f"bf16_rows.linear: n must be >= 0, got {n}")
+    kernel_build.check_operands("bf16_rows", x, packed, n, bias)
     x = x.contiguous()
     if x.data_ptr() % 4:  # the kernel reads x in pairs of bf16 (4 bytes): a view at an odd offset is copied
         x = x.clone()

@@ -122,14 +122,10 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.T
     fn, width = kernel or _kernel()
     m, k = x.shape
     if x.dtype != torch.float32 or packed.dtype != torch.float32 or packed.dim() != 3 \
-            or tuple(packed.shape[1:]) != (k, width) or packed.shape[0] * width < n or n < 0:
+            or tuple(packed.shape[1:]) != (k, width) or packed.shape[0] * width < n:
         raise ValueError(f"f32_rows.linear: x {tuple(x.shape)} {x.dtype} does not fit packed "
                          f"{tuple(packed.shape)} {packed.dtype} with n={n} (tile {width})")
-    if not packed.is_contiguous() or packed.data_ptr() % 64 or not packed.is_cpu or not x.is_cpu:
-        raise ValueError("f32_rows.linear: packed must be a contiguous, 64-byte aligned CPU tensor as pack() "
-                         "makes it, and x a CPU tensor")
-    if bias is not None and bias.numel() != n:
-        raise ValueError(f"f32_rows.linear: bias has {bias.numel()} elements, n={n}")
+    kernel_build.check_operands("f32_rows", x, packed, n, bias)
     x = x.contiguous()
     b = None if bias is None else bias.detach().float().contiguous()
     out = torch.empty(m, n)
