@@ -7,7 +7,8 @@ the other) costs little more than SD's verify on every core. This times the piec
 steps this package has on a CPU (`ModelRunner.use_static_steps(compiled="frozen")`, one row after a
 120-token prompt, medians after each step's compile): the int4 draft's steps of 1, 4 and 8 tokens on one
 thread (a chain step, a glue of K = 3, a tree step of 8 branches: one causal row stands in for the
-branches, the same linears' rows), and the target's decode and 4-token verify on one and two threads.
+branches, the same linears' rows) and its SD steps on two threads (1 token, and 2: a catch-up), and
+the target's decode and 4-token verify on one and two threads.
 Each step compiles for a minute or more.
 
     .venv/bin/python bench/step_costs_compiled.py
@@ -24,7 +25,7 @@ add_repo_to_path()
 from rollout_ssd.models.loader import load_pretrained  # noqa: E402
 from rollout_ssd.models.quant import int4_draft  # noqa: E402
 
-PLAN = (("int4 draft", 1, 1), ("int4 draft", 1, 4), ("int4 draft", 1, 8),
+PLAN = (("int4 draft", 1, 1), ("int4 draft", 1, 4), ("int4 draft", 1, 8), ("int4 draft", 2, 1), ("int4 draft", 2, 2),
         ("target", 1, 1), ("target", 1, 4), ("target", 2, 1), ("target", 2, 4))
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollout_ssd.models import cpu_backend, f32_rows, kernel_build
+from rollout_ssd.models import cpu_backend, f32_rows, kernel_build, quant
 from rollout_ssd.models.cpu_backend import WeightCopies
 
 needs_kernel = pytest.mark.skipif(not f32_rows.available(), reason="no AVX-512F / AVX2+FMA or no C compiler")
@@ -127,6 +127,8 @@ def test_pack_layout_and_refused_inputs():
         f32_rows.linear(x.double(), packed, 12)
     with pytest.raises(ValueError, match="bias"):
         f32_rows.linear(x, packed, 12, torch.zeros(11))
+    with pytest.raises(ValueError, match="bias"):
+        f32_rows.linear(x, packed, 12, torch.zeros(12, device="meta"))
     with pytest.raises(ValueError, match="aligned"):
         f32_rows.linear(x, torch.zeros(2 * 5 * tile + 1)[1:].view(2, 5, tile), 12)
 
@@ -160,6 +162,14 @@ def test_cpu_backend_routes_2_to_n_rows_of_frozen_float32_weights_to_it(monkeypa
     calls.clear()
     trainable = torch.nn.Parameter(w.detach().clone())
     cpu_backend.linear(x[:3], trainable, WeightCopies(), "t")
+    trainable_bias = torch.nn.Parameter(bias.clone())  # bias-only fine-tuning keeps its gradient
+    out = cpu_backend.linear(x[:3], w, copies, "w", trainable_bias)
+    out.sum().backward()
+    assert trainable_bias.grad is not None and torch.equal(trainable_bias.grad, torch.full((200,), 3.0))
+    if quant.available():  # an int4 draft's linears run int4, never this kernel
+        int4 = WeightCopies()
+        int4.int4_group = 32
+        cpu_backend.linear(x[:3], torch.randn(192, 64), int4, "w")  # (int4 packs 16 rows at a time)
     monkeypatch.setattr(f32_rows, "_ON", False)
     cpu_backend.linear(x[:3], w, copies, "w")
     assert calls == []
@@ -167,8 +177,9 @@ def test_cpu_backend_routes_2_to_n_rows_of_frozen_float32_weights_to_it(monkeypa
 
 @needs_kernel
 def test_engines_greedy_tokens_through_the_kernel_equal_ar(monkeypatch, tmp_path):
-    """A tiny random pair, every 2..8-row float32 linear on the kernel: SD's and SSD's greedy tokens
-    (verify rows through it) equal AR's (decode rows through MKL or it), as on every other path."""
+    """A tiny random pair with the kernel taking 2..8-row float32 linears (checked: it ran, on nothing
+    else): SD's and SSD's greedy tokens (their verifies' rows through it) equal AR's (its batch-2 decode
+    through it, its one-row steps through MKL), as on every other path."""
     from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig
     from tests.support.models import tiny_model
 

@@ -149,14 +149,15 @@ HEAD_MM_T_MAX_ROWS = 64
 # column-major copy) instead of W @ x.T over a row-major copy: on the AVX2 EPYC W @ x.T won, on the AVX-512
 # Xeon x @ W.T from 2 to 8 rows (bench/RESULTS.md, "A sixth CPU kind"), where the rows kernel now runs them.
 FLOAT32_COLUMN_MAJOR_ROWS = {"avx512": 8}
-# By CPU kind: float32 linears and LM head of 2..N rows run f32_rows.py's kernel where it builds (on the
-# AVX-512 Xeon 1.2-1.4x MKL's best form at 2..24 rows, 1.06x at 32, 0.9x at 1: RESULTS, "The float32 rows kernel").
+# By CPU kind: float32 linears and LM head of 2..N rows run f32_rows.py's kernel where it builds (AVX-512 Xeon,
+# SmolLM2-135M shapes: 1.2-1.4x MKL's best form at 2..24 rows, 1.06x at 32, 0.9x at 1; RESULTS, "The float32 rows kernel").
 F32_ROWS_KERNEL_ROWS = {"avx512": 24}
 
 
-def _f32_rows(x: torch.Tensor, w: torch.Tensor, m: int) -> bool:
+def _f32_rows(x: torch.Tensor, w: torch.Tensor, m: int, bias: Optional[torch.Tensor] = None) -> bool:
     return 2 <= m <= F32_ROWS_KERNEL_ROWS.get(cpu_kind(), 0) and x.dtype == w.dtype == torch.float32 and w.is_cpu \
-        and not (w.requires_grad or x.requires_grad or torch.compiler.is_compiling()) and f32_rows.available()
+        and not (w.requires_grad or x.requires_grad or (bias is not None and bias.requires_grad)
+                 or torch.compiler.is_compiling()) and f32_rows.available()
 
 
 def column_major_rows(m: int) -> bool:
@@ -315,8 +316,7 @@ def _packs(model) -> bool:
         and model.copies.int4_group is None
 
 
-def linear_weights(model) -> list:
-    """(weight, bias, its WeightCopies, name) for every linear of a Decoder: the layers' four, the LM head."""
+def linear_weights(model) -> list:  # (weight, bias, its WeightCopies, name): the layers' four linears, the LM head
     out = [(getattr(layer, name), bias, layer.row_major, name) for layer in model.layers
            for name, bias in (("wqkv", layer.bqkv), ("wo", None), ("w_gate_up", None), ("w_down", None))]
     return out + [(model.lm_head, None, model.copies, "lm_head")]
@@ -366,7 +366,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,
     m = x.numel() // x.shape[-1]
     if m < 2 or w.requires_grad or w.dtype != torch.float32 or not w.is_cpu or torch.compiler.is_compiling():
         return F.linear(x, w, bias)
-    if _f32_rows(x, w, m):
+    if _f32_rows(x, w, m, bias):
         out = f32_rows.linear(x.reshape(m, x.shape[-1]), copies.get(name + ":f32rows", w, f32_rows.pack), w.shape[0], bias)
         return out.view(*x.shape[:-1], w.shape[0])
     one_thread_wide = m >= ONE_THREAD_COLUMN_MAJOR_ROWS and torch.get_num_threads() == 1

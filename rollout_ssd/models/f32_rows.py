@@ -4,7 +4,9 @@ Why a kernel of our own: at a few rows (a verify of K+1 tokens, a draft's tree s
 decode) a float32 linear is bound by reading its weight, yet MKL's few-row sgemm, in either GEMM form,
 and inductor's templates cost a 4-row verify about 1.3-1.5 one-row steps on an AVX-512 Xeon (bench/
 RESULTS.md, "A sixth CPU kind", "The float32 rows kernel"). Here each weight vector loaded feeds one fused
-multiply-add per row: 2..8 rows cost about what one does, and up to 24 rows it beats MKL's forms.
+multiply-add per row: 2..8 rows cost 1.0-1.3 of one row, and up to 24 rows it beats MKL's forms
+(on SmolLM2-135M's shapes; a row group past the first reads a tile from L2, which a much larger model's
+tiles outgrow).
 
 What it computes: x [m, k] @ w.T (+ bias) in float32 over a copy of w in the kernel's blocked layout
 (`pack`: tiles of `tile()` outputs, one line per k). Each output's sum is one fused multiply-add per k,
@@ -15,7 +17,7 @@ against a float64 reference.
 Built on first use with the C compiler found (kernel_build.py) for the CPU's vector extension:
 AVX-512F where the CPU has it, else AVX2 with FMA; where neither, no compiler is found or the build
 fails, `available()` is False and the float32 linears keep MKL. Where it runs is cpu_backend's choice
-(`f32_rows_rows`, per CPU kind). $ROLLOUT_SSD_F32_ROWS=0 (or `set_enabled(False)`) turns it off.
+(`F32_ROWS_KERNEL_ROWS`, per CPU kind). $ROLLOUT_SSD_F32_ROWS=0 (or `set_enabled(False)`) turns it off.
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ def load(kind: str):
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     fn.restype = ctypes.c_int  # the tile it was built with
+    built = fn(None, 0, 0, None, 0, None, None, 1)  # no rows: returns its TILE, touches nothing
+    if built != TILES[kind]:  # pack() lays copies out for TILES[kind]: a mismatch would read past them
+        raise OSError(f"the {kind} float32 rows kernel was built with tiles of {built}, expected {TILES[kind]}")
     return fn
 
 
@@ -109,7 +114,7 @@ def pack(w: torch.Tensor, tile_width: Optional[int] = None) -> torch.Tensor:
     padded = F.pad(w.detach().float(), (0, 0, 0, tiles * width - n))
     packed = padded.view(tiles, width, k).permute(0, 2, 1).contiguous()
     if packed.data_ptr() % 64:  # torch's CPU allocator aligns to 64 bytes; keep the promise regardless
-        raw = torch.empty(packed.numel() + 16)
+        raw = torch.empty(packed.numel() + 16, dtype=torch.float32)
         start = (-raw.data_ptr() // 4) % 16
         packed = raw[start:start + packed.numel()].view_as(packed).copy_(packed)
     return packed
@@ -128,7 +133,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.T
     kernel_build.check_operands("f32_rows", x, packed, n, bias)
     x = x.contiguous()
     b = None if bias is None else bias.detach().float().contiguous()
-    out = torch.empty(m, n)
+    out = torch.empty(m, n, dtype=torch.float32)
     fn(x.data_ptr(), m, k, packed.data_ptr(), n, None if b is None else b.data_ptr(), out.data_ptr(),
        torch.get_num_threads())
     return out

@@ -83,12 +83,14 @@ def build_library(name: str, source: Path, flags: Sequence[str], link: Sequence[
 
 def check_operands(kernel: str, x, packed, n: int, bias) -> None:
     """What both rows kernels need of their operands past their own layout: the packed copy contiguous,
-    64-byte aligned and on the CPU as its `pack` makes it, x on the CPU, a bias of n elements, n >= 0.
+    64-byte aligned and on the CPU as its `pack` makes it, x on the CPU, a CPU bias of n elements, n >= 0.
     A ValueError naming the kernel and what was wrong."""
     if not packed.is_contiguous() or packed.data_ptr() % 64 or not packed.is_cpu or not x.is_cpu:
         raise ValueError(f"{kernel}.linear: packed must be a contiguous, 64-byte aligned CPU tensor as pack() "
                          "makes it, and x a CPU tensor")
     if bias is not None and bias.numel() != n:
         raise ValueError(f"{kernel}.linear: bias has {bias.numel()} elements, n={n}")
+    if bias is not None and not bias.is_cpu:
+        raise ValueError(f"{kernel}.linear: bias must be on the CPU, got {bias.device}")
     if n < 0:
         raise ValueError(f"{kernel}.linear: n must be >= 0, got {n}")

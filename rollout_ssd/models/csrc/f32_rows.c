@@ -12,7 +12,7 @@
  *
  * Each output's sum runs over k in one fixed order (one fused multiply-add per k, k ascending) whatever
  * the row count, the rows beside it and the thread count, so a row's result does not depend on the batch
- * it is computed in (a verify's linears give a row what a decode step's give it, bit for bit).
+ * it is computed in, among the row counts this kernel serves.
  * Rows go through in groups of at most MAX_GROUP (a group's accumulators stay in registers); a tile is
  * read from memory by the first group and from the core's L2 by the next ones.
  */
