@@ -158,9 +158,11 @@ class Chooser:
         its rounds may time one step on the target's own core: `calibrate`), then SSD, each for decide_after timed
         rounds (one round's timing is noisy), SSD not at all where Corollary 9's cap (`_excluded`) says it
         cannot beat what was measured; a plan whose first timed rounds score decide_margin below the best
-        other measured one (AR, plain speculation) is left there. Each round of it emits tokens; a round of
-        first rounds times nothing, hence one try more than the timed rounds needed. `scores`: the rule's
-        for `inputs` (empty while nothing was timed)."""
+        other measured one (AR, plain speculation) is left there, and so is one timed at the next larger
+        bucket that scores so far below here (a GRPO call's batch shrinks: SD lost at 24 sequences by 4x on
+        a CPU and was measured again at 15 for 0.4 s, bench/RESULTS.md, "The float32 rows kernel"). Each
+        round of it emits tokens; a round of first rounds times nothing, hence one try more than the timed
+        rounds needed. `scores`: the rule's for `inputs` (empty while nothing was timed)."""
         excluded = self._excluded(bucket, inputs, scores) if inputs is not None else set()
         for label in EXPLORE_ORDER:
             if label not in self.rule.config.candidates or label in excluded:
@@ -171,8 +173,13 @@ class Chooser:
             tries = self._tries.get((bucket, label), 0)
             if have >= need or tries > need:
                 continue
-            others = [c for c in (self._measured_others(bucket, scores) or ["ar"]) if c != label]
-            if plan is not Plan.AR and have and others:  # a clear loser after its first timed rounds
+            measured = self._measured_others(bucket, scores)
+            others = [c for c in (measured or ["ar"]) if c != label]
+            # a clear loser after its first timed rounds here, or (not yet timed here) as scored from its
+            # times at the next larger bucket, where it was timed: a batch at most twice as small, whose
+            # estimate is that one scaled (`_BatchTimes`); further down it is explored again
+            timed_above = not have and bool(measured) and self._times_timed(label, bucket + 1) > 0
+            if plan is not Plan.AR and (have or timed_above) and others:
                 if scores[label] < max(scores[c] for c in others) * (1 - self.config.decide_margin):
                     continue
             self._tries[(bucket, label)] = tries + 1
@@ -193,7 +200,8 @@ class Chooser:
         Corollary 9's cap, here in tokens per second. A round of SSD costs at least one SSD verify, and
         emits at most a full K-token draft chain's tokens E(a, K) per sequence (every verdict a hit, the
         cache build hidden, no transfer); beside a worker on a CPU its verify runs on fewer cores, at
-        least SD's verify / v, v = (SD's verify, on every core) / (a forward of the verify's shape on the
+        least SD's verify (timed here; else its lower bound from the next larger bucket, `scaled_down`, or
+        an AR step) / v, v = (SD's verify, on every core) / (a forward of the verify's shape on the
         target's own core; else the same ratio of AR steps; 1 while neither was timed). So SSD
         <= b * E(a, K) * v / t_verify(SD), which is SD's rate times v * (1 + T_SD) * E(a, K) / E_SD
         (docs/THEORY.md, Corollary 9 on different hardware). Empty until AR or SD was timed here."""
@@ -215,6 +223,8 @@ class Chooser:
         """`_excluded`'s bound on SSD's batch tokens per second at v (None: v from what was timed here)."""
         est, b = self.estimates, inputs.batch_size
         verify = inputs.plain_verify_seconds if est.measured("plain_verify", bucket) else inputs.decode_seconds
+        if not est.measured("plain_verify", bucket) and est.measured("plain_verify", bucket + 1):
+            verify = max(verify, est.scaled_down("plain_verify", b, bucket + 1))  # SD left unmeasured here (`_explore`)
         if v is None:
             v = 1.0
             if est.measured("verify_narrow", bucket) and est.measured("plain_verify", bucket):

@@ -266,6 +266,13 @@ class LiveEstimates:
     def measured(self, name: str, bucket: int) -> bool:
         return self.times_measured(name, bucket) > 0
 
+    def scaled_down(self, name: str, batch: int, bucket: int) -> float:
+        """A lower bound on time `name` at `batch` sequences from its measurements at the batch sizes of a
+        larger `bucket` (which must hold one): min over them of t(b) * batch / b. A round's time grows at
+        most in proportion to the batch (t = alpha + beta * b with alpha, beta >= 0, `_BatchTimes`)."""
+        times = self._times[name]
+        return min(times.by_batch[b].value * batch / b for b in times.by_batch if b.bit_length() == bucket)
+
     def snapshot(self) -> dict:
         """What was measured, as plain JSON data (ssd/rule_cache.py keeps it per machine): each time per
         batch size with its count, and the hit rate, acceptance and tokens per round (the priors of the
