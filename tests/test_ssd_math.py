@@ -826,15 +826,17 @@ def test_budget_capped_until_the_rule_has_chosen_at_a_batch_size():
 
 
 
-@pytest.mark.parametrize("sd_verify_at_24,batch,explored", [(0.37, 15, False), (0.10, 15, True), (0.37, 3, True)])
-def test_chooser_leaves_a_plan_that_lost_clearly_one_bucket_up_unmeasured(sd_verify_at_24, batch, explored):
+@pytest.mark.parametrize("sd_verify_at_24,batch,ar_step,explored", [(0.2, 15, 0.06, False), (0.10, 15, 0.049, True),
+                                                                 (0.37, 3, 0.03, True)])
+def test_chooser_leaves_a_plan_that_lost_clearly_one_bucket_up_unmeasured(sd_verify_at_24, batch, ar_step, explored):
     """A GRPO-shaped call: at 24 sequences AR is timed (0.072 s a step: 333 tok/s) and SD's first timed
-    round; with a 0.37 s verify SD scores 24 * 1.5 / 0.42 = ~86 tok/s, far below AR: left there. When the
-    batch shrinks to 15 (the next bucket down) SD is not measured again: its estimate there, scaled from
-    24, is still more than decide_margin below AR's timed 15-row step. It is where SD was close at 24 (a
-    0.10 s verify: within decide_margin, so timed decide_after times there), and two buckets down (3
-    sequences, where a batch 8x smaller may turn the result): every AR-won bucket far from the measured one
-    is explored as before."""
+    round; with a 0.2 s verify SD scores 24 * 1.5 / 0.25 = ~144 tok/s, far below AR: left there. When the
+    batch shrinks to 15 (the next bucket down) SD is not measured again, neither while exploring (its
+    estimate there, scaled from 24, is more than decide_margin below AR's timed 15-row step: ~132 against
+    250 tok/s) nor afterwards as a never-timed plan within UNMEASURED_WITHIN of the choice: nothing but AR
+    runs there, and SSD stays capped out (its cap bounds SD's verify from the bucket above). It is
+    measured again where SD was close at 24 (a 0.10 s verify: within decide_margin, so timed decide_after
+    times there), and two buckets down (3 sequences, where a batch 8x smaller may turn the result)."""
     from rollout_ssd.ssd.chooser import Plan
 
     chooser, config = _fresh_chooser()
@@ -843,14 +845,15 @@ def test_chooser_leaves_a_plan_that_lost_clearly_one_bucket_up_unmeasured(sd_ver
     assert chooser.choose(24) is Plan.AR
     est.observe_time("decode", 0.072, 24)
     sd_rounds = 0
-    while (plan := chooser.choose(24)) is Plan.SD:
+    while chooser.choose(24) is Plan.SD:
         sd_rounds += 1
         est.observe_time("plain_verify", sd_verify_at_24, 24)
         est.observe_time("plain_draft", 0.05, 24)
-    assert sd_rounds == (1 if sd_verify_at_24 > 0.2 else config.decide_after)
+    assert sd_rounds == (1 if sd_verify_at_24 > 0.15 else config.decide_after)
     assert chooser.choose(batch) is Plan.AR  # AR first at the new bucket
-    est.observe_time("decode", 0.072 * (batch + 4) / 28, batch)
+    est.observe_time("decode", ar_step, batch)
     nxt = chooser.choose(batch)
     assert (nxt is Plan.SD) == explored
     if not explored:
-        assert nxt is Plan.AR and not est.measured("plain_verify", batch.bit_length())
+        later = [chooser.choose(batch) for _ in range(40)]  # past UNMEASURED_AFTER, past a probe's turn
+        assert nxt is Plan.AR and set(later) == {Plan.AR} and not est.measured("plain_verify", batch.bit_length())

@@ -286,8 +286,9 @@ class Chooser:
         UNMEASURED_WITHIN of the chosen one (UNMEASURED_TRIES rounds at most): a plan that has not run is
         scored from priors or from other plans' times (SD's verify from SSD's one-core verify beside a
         cache build, scaled by AR's steps), which on a CPU led the rule astray (bench/RESULTS.md, the
-        seventh session's section); one round of it measures it. None when every close plan is measured, and
-        before UNMEASURED_AFTER rounds were decided at the bucket."""
+        seventh session's section); one round of it measures it. A plan timed at the next larger bucket
+        counts as measured (its estimate here is that measurement scaled). None when every close plan is
+        measured, and before UNMEASURED_AFTER rounds were decided at the bucket."""
         if self._decided_rounds[bucket] < UNMEASURED_AFTER:
             return None
         for label in sorted(scores, key=scores.get, reverse=True):
@@ -296,7 +297,8 @@ class Chooser:
             if scores[label] < scores[chosen.label] * (1 - UNMEASURED_WITHIN):
                 return None
             tries = self._tries.get((bucket, label), 0)
-            if tries < UNMEASURED_TRIES and not self._times_timed(label, bucket):
+            if tries < UNMEASURED_TRIES and not self._times_timed(label, bucket) \
+                    and not self._times_timed(label, bucket + 1):  # (scaled from there: `_explore`)
                 self._tries[(bucket, label)] = tries + 1
                 return Plan(label)
         return None
