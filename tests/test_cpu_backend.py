@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollout_ssd.models import bf16_rows, cpu_backend, f32_rows
+from rollout_ssd.models import bf16_rows, cpu_backend
 from rollout_ssd.models.cpu_backend import WeightCopies, packed_bf16, packed_linear
 
 needs_packed = pytest.mark.skipif(not packed_bf16(), reason="this CPU has no bf16 units (the packed path is off)")
@@ -84,7 +84,7 @@ def test_warm_packed_packs_every_linear_and_changes_no_output(tmp_path):
             packed = sum(len(layer.row_major) for layer in model.layers) + len(model.copies)
             forms = int(packed_bf16()) + int(bf16_rows.available())  # oneDNN's copy, the rows kernel's
             if dtype == "float32":  # the float32 rows kernel's copy, where it runs on this CPU kind
-                forms = int(bool(cpu_backend.F32_ROWS_KERNEL_ROWS.get(cpu_backend.cpu_kind())) and f32_rows.available())
+                forms = int(cpu_backend.f32_rows_kernel_rows() > 0)
             assert packed == (4 * len(model.layers) + 1) * forms
         runner = ModelRunner(model, num_slots=2, max_len=32)
         outs.append(runner.prefill([0, 1], [[1, 2, 3, 4], [5, 6]]))

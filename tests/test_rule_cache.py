@@ -123,7 +123,7 @@ def test_key_holds_the_cpu_linear_kernels(tmp_path, monkeypatch):
     CPU model, so it changes the key (and the file): times measured with the kernel are not restored
     without it; so does its op's C++ kernel, which compiled steps call. A float32 model's linears never
     run it: its part of the key is the same either way; the float32 rows kernel is its part."""
-    from rollout_ssd.models import bf16_rows
+    from rollout_ssd.models import bf16_rows, cpu_backend
     from rollout_ssd.models.loader import load_pretrained
     from rollout_ssd.runner import ModelRunner
     from rollout_ssd.ssd import rule_cache
@@ -140,9 +140,9 @@ def test_key_holds_the_cpu_linear_kernels(tmp_path, monkeypatch):
     assert keys[0]["target"]["cpu_kernels"]["packed_bf16"] == rule_cache.packed_bf16()
     assert keys[0]["draft"] == keys[1]["draft"] and set(keys[0]["draft"]["cpu_kernels"]) == {"f32_rows"}
     f32 = []
-    monkeypatch.setitem(rule_cache.F32_ROWS_KERNEL_ROWS, rule_cache.cpu_kind(), 8)
+    monkeypatch.setitem(cpu_backend.F32_ROWS_KERNEL_ROWS, cpu_backend.cpu_kind(), 8)
     for on in (True, False):  # the float32 rows kernel: the float32 draft's part changes, the bf16 target's not
-        monkeypatch.setattr(rule_cache.f32_rows, "available", lambda on=on: on)
+        monkeypatch.setattr(cpu_backend.f32_rows, "available", lambda on=on: on)
         f32.append(engine_key(runner, draft, SSDConfig()))
     assert [k["draft"]["cpu_kernels"]["f32_rows"] for k in f32] == [8, 0]
     assert f32[0]["target"] == f32[1]["target"] and RuleCache("d", f32[0]).path != RuleCache("d", f32[1]).path

@@ -16,9 +16,9 @@ another order), never the model:
   which inductor fuses into one loop that streams it;
 - dtype "auto": bfloat16 where the CPU runs bf16 matmuls natively, else float32 (`auto_dtype`).
 
-The CPU kind is read once per process (`cpu_kind`). Measurements behind these choices are in
-bench/RESULTS.md ("GEMM widths", "bfloat16 and dtype auto", "bf16 kernel for a few rows");
-bench/bench_gemm.py and bench/bf16_rows_kernel.py re-measure them.
+The CPU kind is read once per process (`cpu_kind`). Measurements behind these choices: bench/RESULTS.md ("GEMM
+widths", "bfloat16 and dtype auto", "bf16 kernel for a few rows", "The float32 rows kernel"); bench/bench_gemm.py,
+bench/bf16_rows_kernel.py and bench/f32_rows_kernel.py re-measure them.
 """
 
 from __future__ import annotations
@@ -137,27 +137,30 @@ class WeightCopies:
         return len(self._copies)
 
 
-# MKL's W @ x.T (N = the row count M) runs a slow remainder path when M is off a multiple of 4 or 8
-# (bench/RESULTS.md, "GEMM widths"). `linear` and the LM head pad x with zero rows to `gemm_rows(M)`:
-# up to 16 the widths where padding won in that run, above it the next multiple of 8.
+# MKL's W @ x.T (N = the row count M) runs a slow remainder path when M is off a multiple of 4 or 8 ("GEMM widths"):
+# `linear` and the LM head pad x with zero rows to `gemm_rows(M)` (to 16: where padding won; above: multiples of 8).
 _PAD_SMALL = {3: 4, 7: 8, 12: 16, 13: 16, 14: 16, 15: 16}
 # One thread: x @ W.T over the column-major storage is as fast as W @ x.T from 12 rows on, no remainder penalty
 ONE_THREAD_COLUMN_MAJOR_ROWS = 12
 # The LM head computes head @ rows.T up to this many rows, F.linear above (same run).
 HEAD_MM_T_MAX_ROWS = 64
-# By CPU kind: float32 linears of 2..N rows run x @ W.T over the column-major storage (the LM head: its
-# column-major copy) instead of W @ x.T over a row-major copy: on the AVX2 EPYC W @ x.T won, on the AVX-512
-# Xeon x @ W.T from 2 to 8 rows (bench/RESULTS.md, "A sixth CPU kind"), where the rows kernel now runs them.
+# By CPU kind: float32 linears of 2..N rows run x @ W.T over column-major storage, not W @ x.T ("A sixth CPU kind").
 FLOAT32_COLUMN_MAJOR_ROWS = {"avx512": 8}
 # By CPU kind: float32 linears and LM head of 2..N rows run f32_rows.py's kernel where it builds (AVX-512 Xeon,
 # SmolLM2-135M shapes: 1.2-1.4x MKL's best form at 2..24 rows, 1.06x at 32, 0.9x at 1; RESULTS, "The float32 rows kernel").
 F32_ROWS_KERNEL_ROWS = {"avx512": 24}
 
 
-def _f32_rows(x: torch.Tensor, w: torch.Tensor, m: int, bias: Optional[torch.Tensor] = None) -> bool:
-    return 2 <= m <= F32_ROWS_KERNEL_ROWS.get(cpu_kind(), 0) and x.dtype == w.dtype == torch.float32 and w.is_cpu \
-        and not (w.requires_grad or x.requires_grad or (bias is not None and bias.requires_grad)
-                 or torch.compiler.is_compiling()) and f32_rows.available()
+def f32_rows_kernel_rows() -> int:
+    """The most rows a float32 linear runs on the float32 rows kernel here (0: kind not listed, off, or no build)."""
+    rows = F32_ROWS_KERNEL_ROWS.get(cpu_kind(), 0)
+    return rows if rows and f32_rows.available() else 0
+
+
+def _f32_rows(x: torch.Tensor, m: int, bias: Optional[torch.Tensor] = None) -> bool:
+    """For a frozen float32 CPU weight outside a compile (the callers' checks): whether m rows of x take the kernel."""
+    return 2 <= m <= f32_rows_kernel_rows() and x.dtype == torch.float32 and not x.requires_grad \
+        and (bias is None or not bias.requires_grad)
 
 
 def column_major_rows(m: int) -> bool:
@@ -181,9 +184,8 @@ def padded_mm_t(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.mm(w, F.pad(x, (0, 0, 0, padded - m)).t())[:, :m].t()
 
 
-# bf16 on a CPU with native bf16: oneDNN's linear over a weight it has reordered ("packed") into its own
-# blocked layout once. Bitwise equal to F.linear (the same oneDNN kernels' arithmetic; tests check) and
-# faster at every row count measured up to 256 (bench/RESULTS.md, "bf16 linear over packed weights").
+# bf16 on a CPU with native bf16: oneDNN's linear over a weight it reordered ("packed") once, bitwise F.linear
+# (tested) and faster at every row count measured up to 256 (bench/RESULTS.md, "bf16 linear over packed weights").
 PACKED_BF16_MAX_ROWS = 256
 
 
@@ -201,10 +203,9 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, None)
 
 
-# bf16 linears of 1..rows_kernel_rows() rows run bf16_rows.py's kernel (bf16 dot products, the weight read at
-# memory speed) over a copy in its layout where the CPU has avx512_bf16, oneDNN's packed linear above that;
-# where oneDNN has AMX tiles, it is the faster from 3 rows (bench/RESULTS.md: "bf16 kernel for a few rows",
-# "A fifth CPU kind"). By cpu_kind(); 32 on the others.
+# bf16 linears of 1..rows_kernel_rows() rows run bf16_rows.py's kernel over a copy in its layout where the CPU has
+# avx512_bf16, oneDNN's packed linear above; on AMX oneDNN is the faster from 3 rows (bench/RESULTS.md: "bf16
+# kernel for a few rows", "A fifth CPU kind"). By cpu_kind(); 32 on the others.
 ROWS_KERNEL_MAX_ROWS = {"amx": 2}
 _ROWS_KERNEL_ROWS = ROWS_KERNEL_MAX_ROWS.get(cpu_kind(), 32)  # read once: compiled steps trace the plain read
 
@@ -263,10 +264,9 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: 
     return out.view(*x.shape[:-1], w.shape[0])
 
 
-# Live compiled steps (EngineConfig.compile = "live"; rollout_ssd/gpu/graphs.py): the weights stay graph
-# inputs, so a step follows every weight update without a recompile. inductor lowers oneDNN's packed
-# linear only over weights it froze itself, so here the linear is an op of this package that inductor
-# calls as an opaque kernel: oneDNN's packed linear over the copy `pack_live` keeps current.
+# Live compiled steps (EngineConfig.compile = "live"; gpu/graphs.py): the weights stay graph inputs, so a step follows
+# every update without a recompile. inductor lowers oneDNN's packed linear only over weights it froze itself, so
+# here it is an op of this package inductor calls as an opaque kernel, over the copy `pack_live` keeps current.
 _LIBRARY = torch.library.Library("rollout_ssd", "DEF")
 _LIBRARY.define("packed_linear(Tensor x, Tensor packed, Tensor? bias, SymInt n) -> Tensor")
 _LIBRARY.impl("packed_linear", lambda x, packed, bias, n: torch.ops.mkldnn._linear_pointwise(
@@ -335,7 +335,7 @@ def warm_packed(model, rows: int = WARM_ROWS) -> None:
     where it runs. Otherwise a no-op. The outputs are thrown away; nothing is written."""
     if not _packs(model):
         if model.dtype == torch.float32 and model.embed.is_cpu and model.copies.int4_group is None \
-                and F32_ROWS_KERNEL_ROWS.get(cpu_kind()) and f32_rows.available():
+                and f32_rows_kernel_rows():
             f32_rows.warm(linear_weights(model))
         return
     kernel_rows = rows_kernel_rows() if bf16_rows.available() else 0  # the rows kernel has no per-shape state
@@ -366,7 +366,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,
     m = x.numel() // x.shape[-1]
     if m < 2 or w.requires_grad or w.dtype != torch.float32 or not w.is_cpu or torch.compiler.is_compiling():
         return F.linear(x, w, bias)
-    if _f32_rows(x, w, m, bias):
+    if _f32_rows(x, m, bias):
         out = f32_rows.linear(x.reshape(m, x.shape[-1]), copies.get(name + ":f32rows", w, f32_rows.pack), w.shape[0], bias)
         return out.view(*x.shape[:-1], w.shape[0])
     one_thread_wide = m >= ONE_THREAD_COLUMN_MAJOR_ROWS and torch.get_num_threads() == 1
@@ -391,7 +391,7 @@ def head_matmul(rows: torch.Tensor, head: torch.Tensor, copies: WeightCopies) ->
     m = rows.shape[0]
     cpu_f32 = head.dtype == torch.float32 and head.is_cpu and not rows.requires_grad \
         and not head.requires_grad and not torch.compiler.is_compiling()
-    if cpu_f32 and _f32_rows(rows, head, m):
+    if cpu_f32 and _f32_rows(rows, m):
         return f32_rows.linear(rows, copies.get("lm_head:f32rows", head, f32_rows.pack), head.shape[0])
     if cpu_f32 and column_major_rows(m):
         return rows @ copies.get("lm_head_t", head, lambda h: h.t().contiguous())
