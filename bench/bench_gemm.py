@@ -30,7 +30,7 @@ add_repo_to_path()
 
 from rollout_ssd.models.cpu_backend import WeightCopies, gemm_rows, head_matmul, linear, padded_mm_t  # noqa: E402
 
-SHAPES = [(768, 576), (576, 576), (3072, 576), (576, 1536)]  # fused qkv, o, fused gate|up, down
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # fused qkv, o, fused gate|up, down
 LAYERS = 30
 HEAD = [(49152, 576)]  # SmolLM2's LM head (the tied embedding), row-major as the model holds it
 

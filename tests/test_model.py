@@ -168,11 +168,12 @@ def test_gemm_rows_pad_to_fast_widths_and_drop_the_padding(kind, monkeypatch):
     head = torch.randn(3072, 576, generator=gen)  # row-major, as the LM head is held
     bias = torch.randn(3072, generator=gen)
     few = {"avx2": 1, "avx512": 8}[kind]  # x @ W.T over the column-major storage up to this many rows
+    wide = {"avx2": 10**9, "avx512": 25}[kind]  # and from this many rows on
     threads = torch.get_num_threads()
     try:
         for n_threads in (1, 2):  # 1 thread: 12+ rows take the column-major form too
             torch.set_num_threads(n_threads)
-            for shape in ((3, 576), (1, 13, 576), (5, 3, 576), (31, 576), (7, 576), (9, 576)):
+            for shape in ((3, 576), (1, 13, 576), (5, 3, 576), (31, 576), (7, 576), (9, 576), (24, 576), (5, 5, 576)):
                 x = torch.randn(*shape, generator=gen)
                 m = x.numel() // 576
                 copies = WeightCopies()
@@ -181,12 +182,12 @@ def test_gemm_rows_pad_to_fast_widths_and_drop_the_padding(kind, monkeypatch):
                 assert out.shape == ref.shape
                 assert rel_err(out, ref) <= TOL_F32, (n_threads, shape)
                 # the form taken: the column-major storage makes no row-major copy
-                column_major = (n_threads == 1 and m >= 12) or m <= few
+                column_major = (n_threads == 1 and m >= 12) or m <= few or m >= wide
                 assert len(copies) == (0 if column_major else 1), (kind, n_threads, shape)
                 copies = WeightCopies()
                 logits = head_matmul(x.reshape(m, 576), head, copies)
                 assert rel_err(logits, x.reshape(m, 576).double() @ head.double().t()) <= TOL_F32
-                assert len(copies) == (1 if m <= few else 0), (kind, shape)  # the head's column-major copy
+                assert len(copies) == (1 if m <= few or m >= wide else 0), (kind, shape)  # the head's column-major copy
     finally:
         torch.set_num_threads(threads)
 

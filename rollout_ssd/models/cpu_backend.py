@@ -140,12 +140,12 @@ class WeightCopies:
 # MKL's W @ x.T (N = the row count M) runs a slow remainder path when M is off a multiple of 4 or 8 ("GEMM widths"):
 # `linear` and the LM head pad x with zero rows to `gemm_rows(M)` (to 16: where padding won; above: multiples of 8).
 _PAD_SMALL = {3: 4, 7: 8, 12: 16, 13: 16, 14: 16, 15: 16}
-# One thread: x @ W.T over the column-major storage is as fast as W @ x.T from 12 rows on, no remainder penalty
-ONE_THREAD_COLUMN_MAJOR_ROWS = 12
+ONE_THREAD_COLUMN_MAJOR_ROWS = 12  # one thread: x @ W.T (column-major) as fast as W @ x.T from here, no remainder
 # The LM head computes head @ rows.T up to this many rows, F.linear above (same run).
 HEAD_MM_T_MAX_ROWS = 64
-# By CPU kind: float32 linears of 2..N rows run x @ W.T over column-major storage, not W @ x.T ("A sixth CPU kind").
-FLOAT32_COLUMN_MAJOR_ROWS = {"avx512": 8}
+# By CPU kind: float32 linears of 2..N rows, and of FROM rows and more, run x @ W.T over column-major storage, not
+FLOAT32_COLUMN_MAJOR_ROWS = {"avx512": 8}  # W @ x.T transposed ("A sixth CPU kind", "Wide float32 linears")
+FLOAT32_COLUMN_MAJOR_FROM = {"avx512": 25}
 # By CPU kind: float32 linears and LM head of 2..N rows run f32_rows.py's kernel where it builds (AVX-512 Xeon,
 # SmolLM2-135M shapes: 1.2-1.4x MKL's best form at 2..24 rows, 1.06x at 32, 0.9x at 1; RESULTS, "The float32 rows kernel").
 F32_ROWS_KERNEL_ROWS = {"avx512": 24}
@@ -165,7 +165,7 @@ def _f32_rows(x: torch.Tensor, m: int, bias: Optional[torch.Tensor] = None) -> b
 
 def column_major_rows(m: int) -> bool:
     """Whether an m-row float32 linear runs x @ W.T over column-major weights on this CPU."""
-    return m == 1 or m <= FLOAT32_COLUMN_MAJOR_ROWS.get(cpu_kind(), 1)
+    return m <= FLOAT32_COLUMN_MAJOR_ROWS.get(cpu_kind(), 1) or m >= FLOAT32_COLUMN_MAJOR_FROM.get(cpu_kind(), m + 1)
 
 
 def gemm_rows(m: int) -> int:
