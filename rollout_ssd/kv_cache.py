@@ -46,6 +46,15 @@ class KVCache:
         self.lengths[slot] = 0
         self._free.append(slot)
 
+    def copy(self, src: int, dst: int, length: int) -> None:
+        """Give the empty slot `dst` the first `length` entries of `src` (a shared prompt's KV)."""
+        if self.lengths[dst] != 0 or not 0 < length <= self.lengths[src]:
+            raise ValueError(f"KVCache.copy: {length} entries of slot {src} (length {self.lengths[src]}) "
+                             f"into slot {dst} (length {self.lengths[dst]}, must be empty)")
+        for cache in (*self.keys, *self.values):
+            cache[dst, :, :length] = cache[src, :, :length]
+        self.lengths[dst] = length
+
     def rollback(self, slot: int, length: int) -> None:
         """Forget every entry of `slot` at position >= length."""
         if not 0 <= length <= self.lengths[slot]:

@@ -98,7 +98,25 @@ class ModelRunner:
         return logits(hidden)
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Ragged batched prefill; returns the logits after each prompt's last token [B, V]."""
+        """Ragged batched prefill; returns the logits after each prompt's last token [B, V]. A prompt that
+        an earlier row into an empty slot already holds (a GRPO group's n samples of one prompt) is computed
+        once: its KV is copied into the other empty slots and its logits row repeated."""
+        source: dict[tuple, int] = {}  # prompt -> the row that computes it
+        rows = []  # per row: the row whose KV and logits it takes (itself where it computes them)
+        for i, (slot, p) in enumerate(zip(slots, prompts)):
+            key = tuple(p) if self.cache.lengths[slot] == 0 else (None, i)
+            rows.append(source.setdefault(key, i))
+        unique = sorted(set(rows))
+        if len(unique) == len(rows):
+            return self._prefill(slots, prompts)
+        logits = self._prefill([slots[i] for i in unique], [prompts[i] for i in unique])
+        for i, j in enumerate(rows):
+            if i != j:
+                self.cache.copy(slots[j], slots[i], len(prompts[i]))
+        at = {j: n for n, j in enumerate(unique)}
+        return logits[torch.tensor([at[j] for j in rows], device=logits.device)]
+
+    def _prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         out, group = [], []
         for i, p in enumerate(prompts):
             longest = max([len(prompts[j]) for j in group] + [len(p)])

@@ -86,6 +86,42 @@ def test_ragged_prefill_matches_hf(tiny):
         assert rel_err(logits, ref) <= TOL_F32, f"decode step {step}"
 
 
+def test_prefill_computes_a_repeated_prompt_once(tiny, monkeypatch):
+    """A GRPO group's n rows of one prompt (into empty slots) are prefilled once: the other rows' KV is a
+    copy and their logits the same row, bitwise what prefilling the distinct prompts alone gives; later
+    decode steps on a copied slot equal those on its source. A slot that already holds entries is
+    extended, never given a copy; a repeated prompt is not a repeated forward row."""
+    hf, loaded = tiny
+    vocab = hf.config.vocab_size
+    p, q = _random_ids(9, vocab, seed=31), _random_ids(5, vocab, seed=32)
+    ref_runner = _runner(loaded, num_slots=2)
+    ref_slots = [ref_runner.allocate(), ref_runner.allocate()]
+    ref = ref_runner.prefill(ref_slots, [p, q])
+
+    runner = _runner(loaded, num_slots=6)
+    slots = [runner.allocate() for _ in range(6)]
+    runner.prefill([slots[5]], [q[:2]])  # slot 5 already holds two entries: not a copy target
+    rows = []
+    real_extend = runner.extend
+    monkeypatch.setattr(runner, "extend", lambda s, t, **kw: rows.append(len(s)) or real_extend(s, t, **kw))
+    logits = runner.prefill([slots[0], slots[1], slots[2], slots[3], slots[5]], [p, q, p, p, q[2:]])
+    assert rows == [3]  # p, q and slot 5's own tail: one forward of three rows
+    for i, j in ((0, 0), (1, 1), (2, 0), (3, 0)):
+        assert torch.equal(logits[i], ref[j]), i
+    assert [runner.length(s) for s in slots] == [9, 5, 9, 9, 0, 5]
+    for layer in range(len(runner.cache.keys)):
+        for cache, ref_cache in ((runner.cache.keys, ref_runner.cache.keys), (runner.cache.values, ref_runner.cache.values)):
+            for s in (slots[0], slots[2], slots[3]):
+                assert torch.equal(cache[layer][s, :, :9], ref_cache[layer][ref_slots[0], :, :9])
+    assert rel_err(logits[4], hf_logits(hf, q)[-1]) <= TOL_F32  # slot 5: its two entries, then the tail
+    nxt = _random_ids(1, vocab, seed=33)
+    after = [runner.decode([s], nxt)[0] for s in (slots[0], slots[3])]
+    assert torch.equal(after[0], after[1])
+    assert rel_err(after[1], hf_logits(hf, p + nxt)[-1]) <= TOL_F32
+    with pytest.raises(ValueError, match="must be empty"):
+        runner.cache.copy(slots[0], slots[1], 3)
+
+
 def test_tree_append_matches_hf(tiny):
     """A multi-token append with explicit positions and a tree mask: siblings b1 and b2 both follow a
     (same position), b2 does not see b1, c follows b2. Each token's logits equal transformers' on the
