@@ -34,11 +34,24 @@ class KVCache:
         return len(self._free)
 
     def allocate(self) -> int:
+        """The lowest free slot (so live slots stay one run from 0 where they can: `move_down`)."""
         if not self._free:
             raise RuntimeError("KVCache: no free slot")
-        slot = self._free.pop()
+        slot = min(self._free)
+        self._free.remove(slot)
         self.lengths[slot] = 0
         return slot
+
+    def move_down(self, slot: int) -> int:
+        """Move an allocated slot's entries into the lowest free slot where that one is lower (freeing
+        `slot`); returns the slot that holds them now."""
+        if not self._free or min(self._free) > slot:
+            return slot
+        dst = self.allocate()
+        if self.lengths[slot]:
+            self.copy(slot, dst, self.lengths[slot])
+        self.free(slot)
+        return dst
 
     def free(self, slot: int) -> None:
         if slot in self._free or not 0 <= slot < self.num_slots:

@@ -49,6 +49,9 @@ class ModelRunner:
     def free(self, slot: int) -> None:
         self.cache.free(slot)
 
+    def move_down(self, slot: int) -> int:
+        return self.cache.move_down(slot)
+
     def length(self, slot: int) -> int:
         return self.cache.lengths[slot]
 

@@ -295,6 +295,17 @@ class Scheduler:
             else:
                 still.append(seq)
         self.running = still
+        self._compact()
+
+    def _compact(self) -> None:
+        """Keep the running sequences' slots one run from 0: attention then reads each layer's cache as a
+        view (`Decoder.forward`), where the holes finished sequences leave would make every layer of
+        every step gather the rows. A sequence above the run moves into a hole (its KV copied once);
+        slots are allocated lowest first, so admissions fill holes themselves."""
+        n = len(self.running)
+        for seq in self.running:
+            if seq.slot >= n:
+                seq.slot = self.runner.move_down(seq.slot)
 
     def _drop_cancelled(self) -> None:
         gone = {rid for rid, req in self._live.items() if req.cancelled}

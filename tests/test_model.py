@@ -122,6 +122,30 @@ def test_prefill_computes_a_repeated_prompt_once(tiny, monkeypatch):
         runner.cache.copy(slots[0], slots[1], 3)
 
 
+def test_kv_cache_allocates_lowest_first_and_moves_entries_down():
+    """Slots come lowest first; `move_down` copies a slot's live entries into the lowest free slot below
+    it (nothing past its length matters), frees it, and leaves a slot with no lower free one where it is."""
+    from rollout_ssd.kv_cache import KVCache
+
+    cache = KVCache(num_layers=2, num_slots=4, max_len=6, num_kv_heads=1, head_dim=2, dtype=torch.float32)
+    assert [cache.allocate() for _ in range(4)] == [0, 1, 2, 3]
+    for layer in range(2):
+        cache.keys[layer][3] = torch.arange(12.0).view(1, 6, 2) + 100 * layer
+        cache.values[layer][3] = -cache.keys[layer][3]
+    cache.lengths[3] = 4
+    cache.free(1)
+    cache.free(0)
+    assert cache.move_down(2) == 0 and cache.lengths[0] == 0 and cache.num_free == 2  # empty: nothing copied
+    assert cache.move_down(3) == 1 and cache.lengths[1] == 4 and cache.num_free == 2
+    for layer in range(2):
+        assert torch.equal(cache.keys[layer][1, :, :4], torch.arange(8.0).view(1, 4, 2) + 100 * layer)
+        assert torch.equal(cache.values[layer][1, :, :4], -cache.keys[layer][1, :, :4])
+    assert cache.move_down(0) == 0 and cache.move_down(1) == 1  # no lower free slot
+    assert cache.allocate() == 2
+    with pytest.raises(ValueError, match="not allocated"):
+        cache.free(3)
+
+
 def test_tree_append_matches_hf(tiny):
     """A multi-token append with explicit positions and a tree mask: siblings b1 and b2 both follow a
     (same position), b2 does not see b1, c follows b2. Each token's logits equal transformers' on the

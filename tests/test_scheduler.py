@@ -180,6 +180,40 @@ def test_requests_from_threads_join_the_running_batch(models, method):
         _assert_same(got, ref_rollouts)
 
 
+@pytest.mark.parametrize("method", ["ar", "sd"])
+def test_finished_sequences_leave_no_holes_in_the_running_slots(models, method):
+    """Requests of several lengths run in one batch: as sequences finish, the ones left move down into
+    the freed KV slots, so every round's batch holds slots 0..n-1 (attention reads the cache as a view)
+    and at least one sequence was moved, while every request's rollouts equal that request alone."""
+    reqs = [(["Write digits:", "abc"], SamplingParams(n=2, temperature=0.0, max_new_tokens=m), None)
+            for m in (4, 30)] + JOIN_REQUESTS[1:3]
+    with _method_engine(models, method) as ref:
+        alone = [ref.sample(p, s, prompt_indices=i) for p, s, i in reqs]
+    with _method_engine(models, method) as engine:
+        slots, moved = [], []
+        step, move_down = engine.strategy.step, engine.runner.move_down
+
+        def recording(running):
+            slots.append(sorted(s.slot for s in running))
+            return step(running)
+
+        def moving(slot):
+            moved.append(slot)
+            return move_down(slot)
+
+        engine.strategy.step, engine.runner.move_down = recording, moving
+        engine.pause()
+        submitted = [engine.submit(p, s, prompt_indices=i) for p, s, i in reqs]
+        engine.resume()
+        results = [r.result(timeout=60) for r in submitted]
+        _assert_idle(engine)
+    assert len(set(map(len, slots))) > 2, "the batch must shrink as requests finish"
+    assert all(round_slots == list(range(len(round_slots))) for round_slots in slots), slots
+    assert moved and all(m >= 1 for m in moved)
+    for got, ref_rollouts in zip(results, alone):
+        _assert_same(got, ref_rollouts)
+
+
 # ---- 2. cancel ------------------------------------------------------------------------------------
 
 
