@@ -28,7 +28,8 @@ from common import add_repo_to_path, machine_note, print_json_line, print_table,
 
 add_repo_to_path()
 
-from rollout_ssd.models.cpu_backend import WeightCopies, gemm_rows, head_matmul, linear, padded_mm_t  # noqa: E402
+from rollout_ssd.models.cpu_backend import gemm_rows, head_matmul, linear, padded_mm_t  # noqa: E402
+from rollout_ssd.models.weight_copies import WeightCopies  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # fused qkv, o, fused gate|up, down
 LAYERS = 30

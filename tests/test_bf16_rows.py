@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from rollout_ssd.models import bf16_rows, cpu_backend
-from rollout_ssd.models.cpu_backend import WeightCopies, packed_linear, rows_kernel_rows
+from rollout_ssd.models.cpu_backend import packed_linear, rows_kernel_rows
+from rollout_ssd.models.weight_copies import WeightCopies
 
 needs_kernel = pytest.mark.skipif(not bf16_rows.available(), reason="no avx512_bf16 or no C compiler: the kernel is off")
 

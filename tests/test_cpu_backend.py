@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from rollout_ssd.models import bf16_rows, cpu_backend
-from rollout_ssd.models.cpu_backend import WeightCopies, packed_bf16, packed_linear
+from rollout_ssd.models.cpu_backend import packed_bf16, packed_linear
+from rollout_ssd.models.weight_copies import WeightCopies
 
 needs_packed = pytest.mark.skipif(not packed_bf16(), reason="this CPU has no bf16 units (the packed path is off)")
 
@@ -32,6 +33,30 @@ def test_packed_linear_is_bitwise_f_linear(shape, rows, onednn_only):
     copies = WeightCopies()
     assert torch.equal(packed_linear(x, w, copies, "w"), F.linear(x, w))
     assert torch.equal(packed_linear(x[None], w, copies, "w", bias), F.linear(x[None], w, bias))  # [1, M, K]
+
+
+def test_weight_copies_are_written_over_in_place_when_only_the_values_changed():
+    """An in-place write of a weight refills its copy in the copy's own memory where the make function
+    takes out=; a replaced weight, or a copy whose make does not, is made anew. Values always current."""
+    calls = []
+
+    def transposed(w, out=None):
+        calls.append(out is not None)
+        return w.t().contiguous() if out is None else out.copy_(w.t())
+
+    copies = WeightCopies()
+    w = torch.randn(6, 4)
+    first = copies.get("t", w, transposed, in_place=True)
+    assert copies.get("t", w, transposed, in_place=True) is first and calls == [False]
+    w.mul_(3.0)
+    again = copies.get("t", w, transposed, in_place=True)
+    assert again is first and torch.equal(again, w.t()) and calls == [False, True]
+    fresh = copies.get("plain", w, lambda t: t.t().contiguous())
+    w.add_(1.0)
+    assert copies.get("plain", w, lambda t: t.t().contiguous()) is not fresh  # no out=: made anew
+    other = torch.randn(6, 4)
+    replaced = copies.get("t", other, transposed, in_place=True)
+    assert replaced is not first and torch.equal(replaced, other.t()) and calls[-1] is False
 
 
 @needs_packed

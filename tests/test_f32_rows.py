@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout_ssd.models import cpu_backend, f32_rows, kernel_build, quant
-from rollout_ssd.models.cpu_backend import WeightCopies
+from rollout_ssd.models.weight_copies import WeightCopies
 
 needs_kernel = pytest.mark.skipif(not f32_rows.available(), reason="no AVX-512F / AVX2+FMA or no C compiler")
 
@@ -131,6 +131,14 @@ def test_pack_layout_and_refused_inputs():
         f32_rows.linear(x, packed, 12, torch.zeros(12, device="meta"))
     with pytest.raises(ValueError, match="aligned"):
         f32_rows.linear(x, torch.zeros(2 * 5 * tile + 1)[1:].view(2, 5, tile), 12)
+    # written over in place: the same layout as a fresh pack, for whole and partial last tiles and both storages
+    for n in (tile, 2 * tile + 3, 5):
+        old, new = torch.randn(n, 7), torch.randn(n, 7)
+        for storage in (new, new.t().contiguous().t()):
+            out = f32_rows.pack(old)
+            assert f32_rows.pack(storage, out=out) is out and torch.equal(out, f32_rows.pack(new))
+    with pytest.raises(ValueError, match="is not the pack"):
+        f32_rows.pack(torch.randn(tile + 1, 7), out=f32_rows.pack(torch.randn(tile, 7)))
 
 
 @needs_kernel
@@ -155,10 +163,12 @@ def test_cpu_backend_routes_2_to_n_rows_of_frozen_float32_weights_to_it(monkeypa
     head = case(300, 64, 1, seed=5)[0]
     head_out = cpu_backend.head_matmul(x[:3], head, copies)
     assert calls[-1] == 3 and torch.allclose(head_out, F.linear(x[:3], head), atol=1e-5)
+    packed_before = copies.get("w:f32rows", w, f32_rows.pack)
     with torch.no_grad():
-        w.mul_(2.0)  # an update's in-place write: the copy is made again
+        w.mul_(2.0)  # an update's in-place write: the copy is written again, into its own memory
     out = cpu_backend.linear(x[:2], w, copies, "w")
     assert torch.allclose(out, F.linear(x[:2], w), atol=1e-5)
+    assert copies.get("w:f32rows", w, f32_rows.pack) is packed_before
     calls.clear()
     trainable = torch.nn.Parameter(w.detach().clone())
     cpu_backend.linear(x[:3], trainable, WeightCopies(), "t")

@@ -12,8 +12,8 @@ import torch
 
 from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig
 from rollout_ssd.models import quant
-from rollout_ssd.models.cpu_backend import WeightCopies
 from rollout_ssd.models.loader import load_pretrained
+from rollout_ssd.models.weight_copies import WeightCopies
 from rollout_ssd.ssd.draft_server import weights_digest
 from tests.support.models import tiny_model
 from tests.support.toolchain import needs_cxx

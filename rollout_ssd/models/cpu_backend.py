@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout_ssd.models import bf16_rows, f32_rows, quant
+from rollout_ssd.models.weight_copies import WeightCopies
 
 log = logging.getLogger(__name__)
 
@@ -111,32 +112,6 @@ def layer_weight(rows: int, cols: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.zeros(rows, cols, dtype=dtype), requires_grad=False)
 
 
-class WeightCopies:
-    """Copies of frozen weights in another memory layout, by name: `get(name, w, make)` returns
-    make(w), made on first use and remade whenever `w` is replaced, moved, or written in place (every
-    in-place op on it or on a view of it, as loaders, update_weights and weight sync do, bumps the
-    shared version counter; only writes through `.data` would not, and nothing here makes them). The
-    entry holds `w` itself, so a replaced weight's storage cannot be reused at the same address while
-    its copy is cached. Each copy costs its weight's size in memory. Used for the LM head's column-major
-    copy (one-row logits), the layers' row-major copies (`linear`, 2+ rows) and the packed bf16 ones."""
-
-    def __init__(self):
-        self._copies: dict[str, tuple[torch.Tensor, torch.Tensor, tuple[int, int]]] = {}
-        self.live: dict[str, torch.Tensor] = {}  # packed copies a live compiled step reads (`pack_live`)
-        self.int4_group: Optional[int] = None  # set by quant.quantize_int4: the linears run in int4
-
-    def get(self, name: str, w: torch.Tensor, make) -> torch.Tensor:
-        hit = self._copies.get(name)
-        if hit is None or hit[1] is not w or hit[2] != (w.data_ptr(), w._version):
-            with torch.inference_mode(False), torch.no_grad():
-                hit = (make(w), w, (w.data_ptr(), w._version))
-            self._copies[name] = hit
-        return hit[0]
-
-    def __len__(self) -> int:
-        return len(self._copies)
-
-
 # MKL's W @ x.T (N = the row count M) runs a slow remainder path when M is off a multiple of 4 or 8 ("GEMM widths"):
 # `linear` and the LM head pad x with zero rows to `gemm_rows(M)` (to 16: where padding won; above: multiples of 8).
 _PAD_SMALL = {3: 4, 7: 8, 12: 16, 13: 16, 14: 16, 15: 16}
@@ -163,9 +138,19 @@ def _f32_rows(x: torch.Tensor, m: int, bias: Optional[torch.Tensor] = None) -> b
         and (bias is None or not bias.requires_grad)
 
 
-def column_major_rows(m: int) -> bool:
-    """Whether an m-row float32 linear runs x @ W.T over column-major weights on this CPU."""
-    return m <= FLOAT32_COLUMN_MAJOR_ROWS.get(cpu_kind(), 1) or m >= FLOAT32_COLUMN_MAJOR_FROM.get(cpu_kind(), m + 1)
+def column_major_rows(m: int, wide: bool = True) -> bool:
+    """Whether an m-row float32 linear runs x @ W.T over column-major weights on this CPU (not wide: only
+    the few rows; the row-major LM head's GEMMs of FROM+ rows need no column-major copy)."""
+    kind = cpu_kind()
+    return m <= FLOAT32_COLUMN_MAJOR_ROWS.get(kind, 1) or (wide and m >= FLOAT32_COLUMN_MAJOR_FROM.get(kind, m + 1))
+
+
+def _column_major(w: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return w.t().contiguous() if out is None else out.copy_(w.t())
+
+
+def _row_major(w: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return w.contiguous() if out is None else out.copy_(w)
 
 
 def gemm_rows(m: int) -> int:
@@ -367,12 +352,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,
     if m < 2 or w.requires_grad or w.dtype != torch.float32 or not w.is_cpu or torch.compiler.is_compiling():
         return F.linear(x, w, bias)
     if _f32_rows(x, m, bias):
-        out = f32_rows.linear(x.reshape(m, x.shape[-1]), copies.get(name + ":f32rows", w, f32_rows.pack), w.shape[0], bias)
+        packed = copies.get(name + ":f32rows", w, f32_rows.pack, in_place=True)
+        out = f32_rows.linear(x.reshape(m, x.shape[-1]), packed, w.shape[0], bias)
         return out.view(*x.shape[:-1], w.shape[0])
     one_thread_wide = m >= ONE_THREAD_COLUMN_MAJOR_ROWS and torch.get_num_threads() == 1
     if (one_thread_wide or column_major_rows(m)) and w.t().is_contiguous():
         return F.linear(x, w, bias)
-    rows = w if w.is_contiguous() else copies.get(name, w, torch.Tensor.contiguous)
+    rows = w if w.is_contiguous() else copies.get(name, w, _row_major, in_place=True)
     out = padded_mm_t(rows, x.reshape(m, x.shape[-1]))
     if bias is not None:
         out = out + bias
@@ -392,9 +378,9 @@ def head_matmul(rows: torch.Tensor, head: torch.Tensor, copies: WeightCopies) ->
     cpu_f32 = head.dtype == torch.float32 and head.is_cpu and not rows.requires_grad \
         and not head.requires_grad and not torch.compiler.is_compiling()
     if cpu_f32 and _f32_rows(rows, m):
-        return f32_rows.linear(rows, copies.get("lm_head:f32rows", head, f32_rows.pack), head.shape[0])
-    if cpu_f32 and column_major_rows(m):
-        return rows @ copies.get("lm_head_t", head, lambda h: h.t().contiguous())
+        return f32_rows.linear(rows, copies.get("lm_head:f32rows", head, f32_rows.pack, in_place=True), head.shape[0])
+    if cpu_f32 and column_major_rows(m, wide=False):
+        return rows @ copies.get("lm_head_t", head, _column_major, in_place=True)
     if cpu_f32 and m <= HEAD_MM_T_MAX_ROWS:
         return padded_mm_t(head, rows).contiguous()
     return F.linear(rows, head)

@@ -30,7 +30,8 @@ from torch import nn
 from rollout_ssd.kv_cache import KVCache
 from rollout_ssd.models.attention import AttentionBackend, KeyLayout, SDPABackend
 from rollout_ssd.models.config import ModelConfig
-from rollout_ssd.models.cpu_backend import WeightCopies, head_matmul, layer_weight, linear
+from rollout_ssd.models.cpu_backend import head_matmul, layer_weight, linear
+from rollout_ssd.models.weight_copies import WeightCopies
 
 
 @dataclass

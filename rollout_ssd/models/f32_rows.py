@@ -105,12 +105,21 @@ def tile() -> int:
     return _kernel()[1]
 
 
-def pack(w: torch.Tensor, tile_width: Optional[int] = None) -> torch.Tensor:
+def pack(w: torch.Tensor, tile_width: Optional[int] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """w [n, k] float32 (any strides) in the kernel's layout: tiles of `tile_width` (default: this CPU's)
-    outputs, n padded with zero rows, one line per k index, [ceil(n / tile), k, tile], 64-byte aligned."""
+    outputs, n padded with zero rows, one line per k index, [ceil(n / tile), k, tile], 64-byte aligned.
+    out: an earlier pack of a weight of w's shape, written over in place (no new memory) and returned."""
     width = tile_width or tile()
     n, k = w.shape
     tiles = -(-n // width)
+    if out is not None:
+        if tuple(out.shape) != (tiles, k, width) or out.dtype != torch.float32:
+            raise ValueError(f"f32_rows.pack: out {tuple(out.shape)} {out.dtype} is not the pack of {tuple(w.shape)}")
+        full, src = n // width, w.detach()
+        out[:full].copy_(src[:full * width].reshape(full, width, k).transpose(1, 2))
+        if full < tiles:  # the last tile's outputs, then its zero padding (as written by the first pack)
+            out[full, :, :n - full * width].copy_(src[full * width:].t())
+        return out
     padded = F.pad(w.detach().float(), (0, 0, 0, tiles * width - n))
     packed = padded.view(tiles, width, k).permute(0, 2, 1).contiguous()
     if packed.data_ptr() % 64:  # torch's CPU allocator aligns to 64 bytes; keep the promise regardless
@@ -144,4 +153,4 @@ def warm(weights) -> None:
     now, as `cpu_backend.linear` would on a first verify (a fresh engine's first call would pay them)."""
     with torch.inference_mode():
         for w, _, copies, name in weights:
-            copies.get(name + ":f32rows", w, pack)
+            copies.get(name + ":f32rows", w, pack, in_place=True)
