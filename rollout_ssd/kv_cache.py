@@ -24,6 +24,9 @@ class KVCache:
         self.scratch_slot = num_slots
         self.lengths = [0] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))
+        # called as fn(src, dst, length, moved) after `copy` (moved False) and `move_down` (True): for
+        # whoever tracks slots by the forwards it sees (draft/on_policy.py's TeacherTap), which these skip
+        self.observers: list = []
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -47,10 +50,11 @@ class KVCache:
         `slot`); returns the slot that holds them now."""
         if not self._free or min(self._free) > slot:
             return slot
-        dst = self.allocate()
-        if self.lengths[slot]:
-            self.copy(slot, dst, self.lengths[slot])
+        dst, length = self.allocate(), self.lengths[slot]
+        self._copy(slot, dst, length)
         self.free(slot)
+        for fn in self.observers:
+            fn(slot, dst, length, True)
         return dst
 
     def free(self, slot: int) -> None:
@@ -64,6 +68,11 @@ class KVCache:
         if self.lengths[dst] != 0 or not 0 < length <= self.lengths[src]:
             raise ValueError(f"KVCache.copy: {length} entries of slot {src} (length {self.lengths[src]}) "
                              f"into slot {dst} (length {self.lengths[dst]}, must be empty)")
+        self._copy(src, dst, length)
+        for fn in self.observers:
+            fn(src, dst, length, False)
+
+    def _copy(self, src: int, dst: int, length: int) -> None:
         for cache in (*self.keys, *self.values):
             cache[dst, :, :length] = cache[src, :, :length]
         self.lengths[dst] = length

@@ -47,6 +47,33 @@ def test_teacher_records_match_a_separate_teacher_pass(tiny_target, tiny_data):
     torch.testing.assert_close(again.topk_logp.float(), sample.topk_logp.float(), atol=2e-3, rtol=0)
 
 
+def test_teacher_records_follow_slot_moves_and_shared_prompts(tiny_target):
+    """The tap tracks sequences by the forwards it sees; the runner also copies KV between slots without a
+    forward (a repeated prompt prefilled once; a sequence moved down when others finish early). Every
+    sequence's recorded rows still equal a separate teacher pass over its tokens, moves and copies seen."""
+    from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig
+    from rollout_ssd.models.loader import LoadedModel
+
+    tap = on_policy.TeacherTap(tiny_target.model, top_k=8)
+    engine = RolloutEngine(LoadedModel(model=tap, hf_config=None, tokenizer=None, source="teacher"),
+                           SpecConfig(method="ar"), EngineConfig(max_batch_size=8, max_model_len=64))
+    events = []
+    engine.runner.cache.observers += [tap.on_copy, lambda *e: events.append(e[-1])]
+    prompts = [[5, 6, 7], [9, 10, 11, 12], [5, 6, 7]]
+    with engine:
+        engine.pause()  # both requests join one batch: the early one's slots free up under the other
+        short = engine.submit(prompts, SamplingParams(temperature=1.0, max_new_tokens=3, seed=1, n=2))
+        long = engine.submit(prompts, SamplingParams(temperature=0.0, max_new_tokens=10))
+        engine.resume()
+        results = short.result(timeout=60) + long.result(timeout=60)
+    assert True in events and False in events  # moved down, and a prompt's KV copied
+    for r in results:
+        rows = tap.records(list(r.prompt_token_ids), list(r.token_ids))
+        again = teacher.teacher_topk(tiny_target.model, [list(r.prompt_token_ids) + list(r.token_ids)],
+                                     [len(r.prompt_token_ids)], top_k=8)[0]
+        assert torch.equal(torch.stack([row[0] for row in rows]), again.topk_ids)
+
+
 def test_teacher_sampling_stops_at_the_deadline(tiny_target):
     """Past the deadline no prompt starts: nothing is sampled, and no sample is returned."""
     import time

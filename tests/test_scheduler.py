@@ -209,7 +209,7 @@ def test_finished_sequences_leave_no_holes_in_the_running_slots(models, method):
         _assert_idle(engine)
     assert len(set(map(len, slots))) > 2, "the batch must shrink as requests finish"
     assert all(round_slots == list(range(len(round_slots))) for round_slots in slots), slots
-    assert moved and all(m >= 1 for m in moved)
+    assert moved  # sequences were moved down into freed slots
     for got, ref_rollouts in zip(results, alone):
         _assert_same(got, ref_rollouts)
 

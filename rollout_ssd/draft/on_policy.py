@@ -63,6 +63,20 @@ class TeacherTap:
         self._slots = list(batch.slots)
         return self._model(batch, cache)
 
+    def on_copy(self, src: int, dst: int, length: int, moved: bool) -> None:
+        """A KV cache's copy between slots (`KVCache.observers`), which no forward shows: a moved sequence's
+        stay continues in its new slot; a prompt's KV copied into another (a repeated prompt prefilled
+        once) starts a new occupant there with the same tokens and the prefill's row."""
+        if moved:
+            self._current[dst] = self._current.pop(src)
+            return
+        source = self._current[src]
+        if len(source.fed) != length:
+            raise RuntimeError(f"TeacherTap: a copy of {length} entries of slot {src}, which holds {len(source.fed)}")
+        self._current[dst] = occupant = _Occupant(source.fed)
+        occupant.rows = list(source.rows)
+        self._occupants.append(occupant)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self._model.logits(hidden)
         if logits.dim() != 2 or logits.shape[0] != len(self._slots):
@@ -104,6 +118,8 @@ def sample_continuations(target, prompt_ids: Sequence[Sequence[int]], temperatur
         groups[float(t)].append(i)
     engine = RolloutEngine(LoadedModel(model=target, hf_config=None, tokenizer=None, source="teacher"),
                            SpecConfig(method="ar"), EngineConfig(max_batch_size=batch_size, max_model_len=max_len))
+    if isinstance(target, TeacherTap):
+        engine.runner.cache.observers.append(target.on_copy)
     requests = []
 
     def stop_at_deadline(_request, _finished):

@@ -16,8 +16,8 @@ class WeightCopies:
     entry holds `w` itself, so a replaced weight's storage cannot be reused at the same address while
     its copy is cached. Each copy costs its weight's size in memory. `in_place`: make takes out= (the
     old copy) and writes into it when only `w`'s values changed (an RL update every step), so the copy's
-    memory is not allocated and faulted in again. Used for the LM head's column-major copy (one-row
-    logits), the layers' row-major copies, the float32 rows kernel's (`linear`) and the bf16 ones."""
+    memory is not allocated and faulted in again. Used for the LM head's column-major copy (logits of a
+    few rows), the layers' row-major copies, the float32 rows kernel's (`linear`), the bf16 and int4 ones."""
 
     def __init__(self):
         self._copies: dict[str, tuple[torch.Tensor, torch.Tensor, tuple]] = {}
