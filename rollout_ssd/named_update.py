@@ -8,6 +8,8 @@ from collections.abc import Iterable
 
 import torch
 
+from rollout_ssd.weight_sync.codec import all_finite
+
 
 class NamedUpdate:
     def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, what: str):
@@ -46,7 +48,7 @@ class NamedUpdate:
                                  f"expected {tuple(params[name].shape)}")
             if tensor.is_floating_point() != params[name].is_floating_point():
                 raise ValueError(f"{what}: tensor {name!r} has dtype {tensor.dtype}, expected {params[name].dtype}")
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            if not all_finite(tensor):
                 raise ValueError(f"{what}: tensor {name!r} has NaN or Inf values")
 
     def apply_to(self, params: dict[str, torch.Tensor]) -> None:

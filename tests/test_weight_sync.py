@@ -451,3 +451,27 @@ def test_sum64_is_the_same_on_cpu_and_gpu():
     for dtype in (torch.bfloat16, torch.float32, torch.int64):
         t = (torch.randn(3 << 20, generator=torch.Generator().manual_seed(1)) * 100).to(dtype)
         assert checksum(t, "sum64") == checksum(t.cuda(), "sum64")
+
+
+def test_all_finite_agrees_with_isfinite_on_every_dtype_and_layout():
+    """The one-reduction finite check (no tensor of the input's size) says what isfinite(t).all() says:
+    NaN, +Inf and -Inf anywhere (first, last, inside a strided view), 16- and 32-bit floats, empty and
+    integer tensors (always finite)."""
+    from rollout_ssd.weight_sync.codec import all_finite
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        base = torch.randn(64, 48, generator=gen).to(dtype)
+        assert all_finite(base) and all_finite(base.t()) and all_finite(base[::3, 1::2])
+        for value in (float("nan"), float("inf"), float("-inf")):
+            for index in ((0, 0), (63, 47), (30, 7)):
+                t = base.clone()
+                t[index] = value
+                assert not all_finite(t) and not all_finite(t.t()), (dtype, value, index)
+                assert all_finite(t[::2, ::2]) == bool(torch.isfinite(t[::2, ::2]).all()), (dtype, value, index)
+    assert all_finite(torch.empty(0)) and all_finite(torch.tensor([1, 2, 3])) and all_finite(torch.tensor(1.0))
+    assert not all_finite(torch.tensor(float("nan")))
+    permuted = torch.randn(2, 3, 4, generator=gen).permute(2, 0, 1).clone()  # dense, in another dim order
+    assert all_finite(permuted)
+    permuted[1, 1, 1] = float("inf")
+    assert not all_finite(permuted)
