@@ -94,7 +94,8 @@ def test_bf16_decoder_outputs_are_unchanged_by_packing(tmp_path, monkeypatch, on
 def test_warm_packed_packs_every_linear_and_changes_no_output(tmp_path):
     """warm_packed (done when an engine takes a model) packs each frozen bf16 weight once per form it runs
     in (oneDNN's, and the bf16 rows kernel's where that runs), a float32 one for the float32 rows kernel
-    where that runs (else nothing), and leaves the model's outputs bitwise as they were."""
+    where that runs, and a float32 head's column-major copy (one-row logits; the same object a one-row step
+    then reads), and leaves the model's outputs bitwise as they were."""
     from rollout_ssd.models.cpu_backend import warm_packed
     from rollout_ssd.models.loader import load_pretrained
     from rollout_ssd.runner import ModelRunner
@@ -108,11 +109,18 @@ def test_warm_packed_packs_every_linear_and_changes_no_output(tmp_path):
             warm_packed(model, rows=4)
             packed = sum(len(layer.row_major) for layer in model.layers) + len(model.copies)
             forms = int(packed_bf16()) + int(bf16_rows.available())  # oneDNN's copy, the rows kernel's
+            head_t = 0
             if dtype == "float32":  # the float32 rows kernel's copy, where it runs on this CPU kind
-                forms = int(cpu_backend.f32_rows_kernel_rows() > 0)
-            assert packed == (4 * len(model.layers) + 1) * forms
+                forms, head_t = int(cpu_backend.f32_rows_kernel_rows() > 0), 1
+                made = model.copies.get("lm_head_t", model.lm_head, lambda w: None)
+                assert made is not None and torch.equal(made, model.lm_head.t())
+            assert packed == (4 * len(model.layers) + 1) * forms + head_t
         runner = ModelRunner(model, num_slots=2, max_len=32)
         outs.append(runner.prefill([0, 1], [[1, 2, 3, 4], [5, 6]]))
+        if dtype == "float32":  # a one-row step reads the copy made above, not a new one
+            before = len(model.copies)
+            runner.decode([0], [7])
+            assert len(model.copies) == before and model.copies.get("lm_head_t", model.lm_head, lambda w: None) is made
     assert torch.equal(outs[0], outs[1])
 
 

@@ -316,12 +316,14 @@ _WARMED: set[tuple] = set()  # (weight shape, bias?, rows) whose kernels this pr
 def warm_packed(model, rows: int = WARM_ROWS) -> None:
     """Pack a frozen bf16 CPU model's linear weights (bf16 rows kernel, oneDNN) and make oneDNN's kernels
     for the row counts up to `rows` it serves, per distinct weight shape (the layers share theirs; a later
-    engine over the same shapes makes none) and the LM head; a float32 model's float32 rows kernel copies
-    where it runs. Otherwise a no-op. The outputs are thrown away; nothing is written."""
+    engine over the same shapes makes none) and the LM head; a float32 model's head copy for one-row logits
+    and float32 rows kernel copies where it runs (made on a first call, each cost that call a quarter
+    second of page faults here). Otherwise a no-op. The outputs are thrown away; nothing is written."""
     if not _packs(model):
-        if model.dtype == torch.float32 and model.embed.is_cpu and model.copies.int4_group is None \
-                and f32_rows_kernel_rows():
-            f32_rows.warm(linear_weights(model))
+        if model.dtype == torch.float32 and model.embed.is_cpu and model.copies.int4_group is None:
+            model.copies.get("lm_head_t", model.lm_head, _column_major, in_place=True)
+            if f32_rows_kernel_rows():
+                f32_rows.warm(linear_weights(model))
         return
     kernel_rows = rows_kernel_rows() if bf16_rows.available() else 0  # the rows kernel has no per-shape state
     with torch.inference_mode():
