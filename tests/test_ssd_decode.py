@@ -144,7 +144,7 @@ def test_rule_measures_ar_then_sd_then_ssd_and_drops_a_clear_loser_early(pair48,
     monkeypatch.setattr(strategy_module, "strategy_scores",
                         lambda inputs, names: {n: ar_gain if n == "ar" else 1.0 for n in names})
     plans, choose = [], ssd.chooser.choose
-    ssd.chooser.choose = lambda batch, fallback=None: (plans.append((batch, choose(batch, fallback))), plans[-1][1])[1]
+    ssd.chooser.choose = lambda batch, fallback=None, rounds_left=None: (plans.append((batch, choose(batch, fallback, rounds_left))), plans[-1][1])[1]
     engine.sample(PROMPTS[:3], SamplingParams(temperature=0, max_new_tokens=28, ignore_eos=True))
     at_three = [plan.label for batch, plan in plans if batch == 3]  # the tail's smaller batches explore anew
     ssd_rounds = 1 if ar_gain > 1 + ssd.config.decide_margin else ssd.config.decide_after
@@ -189,7 +189,7 @@ def test_ar_rounds_are_the_ar_engines_steps(pair48, temperature, top_p):
     ar = ar_engine(target, 3).sample(PROMPTS[:3], params)
     engine = ssd_engine(target, draft, 3, k=3, strategy_rule=True)
     ssd = engine.strategy
-    ssd.chooser.choose = lambda batch, fallback=None: Plan.AR
+    ssd.chooser.choose = lambda batch, fallback=None, rounds_left=None: Plan.AR
     verified = []
     ssd.verify_round = lambda *a: verified.append(a)  # chain verification (decode.verify_round): not for AR
     ssd.trace = trace = []
@@ -204,7 +204,7 @@ def test_ar_rounds_are_the_ar_engines_steps(pair48, temperature, top_p):
     assert torch.allclose(torch.tensor([o.logprobs for o in out]), torch.tensor([a.logprobs for a in ar]), atol=1e-5)
     assert engine.metrics()["ssd/strategy_rounds"] == {"ar": 11}  # the first token comes from the prefill
     turns = itertools.cycle([Plan.AR, Plan.SSD_DRAFT, Plan.AR, Plan.AR, Plan.SD])
-    ssd.chooser.choose = lambda batch, fallback=None: next(turns)
+    ssd.chooser.choose = lambda batch, fallback=None, rounds_left=None: next(turns)
     greedy = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
     assert [o.token_ids for o in engine.sample(PROMPTS, greedy)] == \
         [a.token_ids for a in ar_engine(target, 3).sample(PROMPTS, greedy)]

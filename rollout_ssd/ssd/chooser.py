@@ -49,6 +49,12 @@ MEASURED_BY = {"ssd+neural": ("verify",), "ssd+suffix": ("verify",), "ssd+random
                "sd": ("plain_verify", "plain_draft"), "suffix": ("plain_verify",), "ar": ("decode",)}
 VERIFY_SHAPE_MAX_ROWS = 64  # beyond: the one-core step is an AR step (a verify's shape there costs a verify or more)
 FIRST_CALIBRATION_GAP = 16  # rounds after the warm-up calibrations (each costs one AR step of the batch)
+# A call's tail: with fewer rounds than this left (the running sequences' largest token budget), a batch bucket
+# not decided at is not explored; the plan running stands there. A plan's first rounds at a bucket carry one-off
+# costs (the draft side catching up on every sequence: 0.5-0.9 s at 10-14 GRPO sequences on a 2-core CPU, ten
+# AR rounds) and its timed rounds a chance of losing, which a tail this short cannot pay back (bench/RESULTS.md,
+# "Batched rollouts"). The bucket stays undecided, so the next call starting there explores it.
+TAIL_ROUNDS = 32
 
 
 class Chooser:
@@ -92,15 +98,20 @@ class Chooser:
         if self.rule.config.fixed is None:
             self._choices.update(choices)
 
-    def choose(self, batch: int, fallback: Optional[Plan] = None) -> Plan:
+    def choose(self, batch: int, fallback: Optional[Plan] = None, rounds_left: Optional[int] = None) -> Plan:
         """The plan for a round of `batch` sequences; `fallback` (the draft side failed) overrides it.
         At a batch bucket not yet decided at, the plans are measured first (`_explore`), then the rule
-        decides: its choice stands there by the hysteresis, with `_probe`'s rounds of the others."""
+        decides: its choice stands there by the hysteresis, with `_probe`'s rounds of the others; in a
+        call's tail (`rounds_left`, the most rounds the batch may still run, below TAIL_ROUNDS) the choice
+        at the nearest bucket decided at runs instead, where there is one."""
         if fallback is not None:
             return fallback
         if self.rule.config.fixed is not None:
             return self._choose_fixed(batch)
         bucket = batch_bucket(batch)
+        if bucket not in self._choices and self._choices and rounds_left is not None and rounds_left < TAIL_ROUNDS:
+            self.current = self._choices[min(self._choices, key=lambda b: (abs(b - bucket), -b))]
+            return self.current
         try:
             inputs = self.estimates.inputs(batch)
         except ValueError:  # nothing timed yet (a round of first rounds times nothing)
