@@ -207,8 +207,12 @@ def test_second_engine_decides_at_once_from_the_first_ones_measurements(pair48, 
         engine = ssd_engine(target, draft, 3, k=k, strategy_rule=True, rule_cache=str(tmp_path))
         chooser, plans = engine.strategy.chooser, []
         choose = chooser.choose
-        chooser.choose = lambda batch, fallback=None, rounds_left=None: (plans.append((batch, choose(batch, fallback, rounds_left), chooser.decided)),
-                                                       plans[-1][1])[1]
+
+        def recording(batch, fallback=None, rounds_left=None):
+            plans.append((batch, choose(batch, fallback, rounds_left), chooser.decided))
+            return plans[-1][1]
+
+        chooser.choose = recording
         tokens = [r.token_ids for r in engine.sample(PROMPTS, params)]
         engine.close()
         return tokens, [p for p in plans if p[0] == 3]

@@ -144,7 +144,12 @@ def test_rule_measures_ar_then_sd_then_ssd_and_drops_a_clear_loser_early(pair48,
     monkeypatch.setattr(strategy_module, "strategy_scores",
                         lambda inputs, names: {n: ar_gain if n == "ar" else 1.0 for n in names})
     plans, choose = [], ssd.chooser.choose
-    ssd.chooser.choose = lambda batch, fallback=None, rounds_left=None: (plans.append((batch, choose(batch, fallback, rounds_left))), plans[-1][1])[1]
+
+    def recording(batch, fallback=None, rounds_left=None):
+        plans.append((batch, choose(batch, fallback, rounds_left)))
+        return plans[-1][1]
+
+    ssd.chooser.choose = recording
     engine.sample(PROMPTS[:3], SamplingParams(temperature=0, max_new_tokens=28, ignore_eos=True))
     at_three = [plan.label for batch, plan in plans if batch == 3]  # the tail's smaller batches explore anew
     ssd_rounds = 1 if ar_gain > 1 + ssd.config.decide_margin else ssd.config.decide_after
