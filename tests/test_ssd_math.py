@@ -860,25 +860,34 @@ def test_chooser_leaves_a_plan_that_lost_clearly_one_bucket_up_unmeasured(sd_ver
 
 
 def test_chooser_does_not_explore_a_new_bucket_in_a_calls_tail():
-    """A GRPO call decided AR at 24 sequences; near its end (fewer than TAIL_ROUNDS rounds left for any
-    sequence) the batch falls into a bucket never decided at: the choice of the nearest decided bucket
-    runs and nothing is measured there (a first SSD round there had the worker catch up on every sequence
-    for 0.5-0.9 s), and the bucket stays undecided, so a call with rounds to spare explores it. Before
-    anything was decided, a short call explores as usual."""
-    from rollout_ssd.ssd.chooser import TAIL_ROUNDS, Plan, batch_bucket
+    """A GRPO call decided AR at 24 sequences; in its tail (every sequence within TAIL_ROUNDS tokens of its
+    budget, one past TAIL_ROUNDS made: `call_tail`) the batch falls into a bucket never decided at: the plan
+    running stands, AR for an SSD plan (an SSD round there would build an exploring tree and time it as that
+    bucket's), nothing is calibrated, and the bucket stays undecided, so a call starting there explores it.
+    Before anything was decided, and in a call shorter than TAIL_ROUNDS, the chooser explores as usual."""
+    from types import SimpleNamespace
 
+    from rollout_ssd.ssd.chooser import TAIL_ROUNDS, Plan, batch_bucket, call_tail
+
+    def seqs(made, left):
+        return [SimpleNamespace(token_ids=[0] * m, budget=b) for m, b in zip(made, left)]
+
+    assert call_tail(seqs([TAIL_ROUNDS, 5], [TAIL_ROUNDS - 1, 3]))
+    assert not call_tail(seqs([TAIL_ROUNDS, 5], [TAIL_ROUNDS, 3]))  # one sequence has rounds to spare
+    assert not call_tail(seqs([TAIL_ROUNDS - 1], [1]))  # a short call: never a tail
     chooser, config = _fresh_chooser()
     est = chooser.estimates
-    assert chooser.choose(24, rounds_left=5) is Plan.AR  # nothing decided: explored, AR first
+    assert chooser.choose(24, tail=True) is Plan.AR  # nothing decided: explored, AR first
     est.observe_round("draft", 24, 12, 24, 36)
     est.observe_time("decode", 0.072, 24)
-    while chooser.choose(24, rounds_left=150) is not Plan.AR or not chooser._choices:
+    while chooser.choose(24) is not Plan.AR or not chooser._choices:
         est.observe_time("plain_verify", 0.2, 24)
         est.observe_time("plain_draft", 0.05, 24)
     assert chooser._choices == {batch_bucket(24): Plan.AR}
-    tail = [chooser.choose(12, rounds_left=TAIL_ROUNDS - 1 - i) for i in range(10)]
-    assert set(tail) == {Plan.AR} and batch_bucket(12) not in chooser._choices
-    assert not est.measured("decode", batch_bucket(12))
-    chooser._choices[batch_bucket(24)] = Plan.SD  # the nearest decided bucket's choice, whatever it is
-    assert chooser.choose(12, rounds_left=3) is Plan.SD
-    assert chooser.choose(12, rounds_left=TAIL_ROUNDS) is Plan.AR  # rounds to spare: explored, AR first
+    chooser.current = Plan.SD  # whatever ran last stands (SD's state is warm: no one-off)
+    tail = [chooser.choose(12, tail=True) for _ in range(10)]
+    assert set(tail) == {Plan.SD} and batch_bucket(12) not in chooser._choices
+    assert chooser.calibrate(None, [None] * 12, cold=False) == 0.0  # no calibration step in the tail
+    chooser.current = Plan.SSD_DRAFT
+    assert chooser.choose(12, tail=True) is Plan.AR
+    assert chooser.choose(12) is Plan.AR and not chooser._tail_round  # not a tail: explored, AR first

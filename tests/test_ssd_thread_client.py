@@ -98,9 +98,18 @@ def test_update_weights_copies_into_the_threads_own_model(pair):
     assert _draft_threads() == []
 
 
-def test_a_reply_with_an_invalid_q_is_refused_and_the_rollouts_stay_exact(pair, threaded, monkeypatch):
+def _with(q, value):
+    q = q.clone()
+    q.view(-1)[q.numel() // 2] = value
+    return q
+
+
+@pytest.mark.parametrize("spoil", [lambda q: -q, lambda q: _with(q, float("nan")), lambda q: _with(q, float("inf"))],
+                         ids=["negative", "nan", "inf"])
+def test_a_reply_with_an_invalid_q_is_refused_and_the_rollouts_stay_exact(pair, threaded, monkeypatch, spoil):
     """The target side does not trust the draft side's q (the verification's exactness rests on it): a
-    negative mass in one chain's q is a draft-side failure, checked for all rows in one host read."""
+    negative mass, a NaN or an Inf in one chain's q is a draft-side failure, checked for all rows in one
+    host read."""
     import dataclasses
 
     want = [r.token_ids for r in ar_engine(pair[0], 3).sample(PROMPTS, GREEDY)]
@@ -114,7 +123,7 @@ def test_a_reply_with_an_invalid_q_is_refused_and_the_rollouts_stay_exact(pair, 
         rows = list(reply.rows)
         for j, row in enumerate(rows):
             if calls[0] >= 3 and row.tokens:
-                rows[j] = dataclasses.replace(row, q=-row.q)
+                rows[j] = dataclasses.replace(row, q=spoil(row.q))
                 break
         return dataclasses.replace(reply, rows=tuple(rows))
 

@@ -321,7 +321,8 @@ def warm_packed(model, rows: int = WARM_ROWS) -> None:
     second of page faults here). Otherwise a no-op. The outputs are thrown away; nothing is written."""
     if not _packs(model):
         if model.dtype == torch.float32 and model.embed.is_cpu and model.copies.int4_group is None:
-            model.copies.get("lm_head_t", model.lm_head, _column_major, in_place=True)
+            if not model.lm_head.requires_grad:  # a trained head's logits are F.linear's (`head_matmul`)
+                model.copies.get("lm_head_t", model.lm_head, _column_major, in_place=True)
             if f32_rows_kernel_rows():
                 f32_rows.warm(linear_weights(model))
         return

@@ -49,12 +49,19 @@ MEASURED_BY = {"ssd+neural": ("verify",), "ssd+suffix": ("verify",), "ssd+random
                "sd": ("plain_verify", "plain_draft"), "suffix": ("plain_verify",), "ar": ("decode",)}
 VERIFY_SHAPE_MAX_ROWS = 64  # beyond: the one-core step is an AR step (a verify's shape there costs a verify or more)
 FIRST_CALIBRATION_GAP = 16  # rounds after the warm-up calibrations (each costs one AR step of the batch)
-# A call's tail: with fewer rounds than this left (the running sequences' largest token budget), a batch bucket
-# not decided at is not explored; the plan running stands there. A plan's first rounds at a bucket carry one-off
-# costs (the draft side catching up on every sequence: 0.5-0.9 s at 10-14 GRPO sequences on a 2-core CPU, ten
-# AR rounds) and its timed rounds a chance of losing, which a tail this short cannot pay back (bench/RESULTS.md,
-# "Batched rollouts"). The bucket stays undecided, so the next call starting there explores it.
+# A long call's tail (`call_tail`): a batch bucket not decided at is not explored, nor calibrated; the plan
+# running stands there (AR in place of an SSD plan, which there would build an exploring tree and time it as
+# that bucket's). A plan's first rounds at a bucket carry one-off costs (the draft side catching up on every
+# sequence: 0.5-0.9 s at 10-14 GRPO sequences on a 2-core CPU, ten AR rounds) and its timed rounds a chance
+# of losing, which a tail this short cannot pay back (bench/RESULTS.md, "Batched rollouts"). The bucket stays
+# undecided, so a call that starts there explores it.
 TAIL_ROUNDS = 32
+
+
+def call_tail(running: list[Sequence]) -> bool:
+    """Whether this round is a long call's tail: every sequence has fewer than TAIL_ROUNDS tokens left of
+    its budget and one has made TAIL_ROUNDS or more (a call shorter than that explores as always)."""
+    return max(s.budget for s in running) < TAIL_ROUNDS <= max(len(s.token_ids) for s in running)
 
 
 class Chooser:
@@ -76,6 +83,7 @@ class Chooser:
         self._since_probe: dict[int, int] = {}  # batch_bucket -> decided rounds since its last probe
         self._tries: dict[tuple[int, str], int] = {}  # (batch_bucket, plan label) -> unmeasured-plan rounds run
         self._decided_rounds: dict[int, int] = {}  # batch_bucket -> rounds decided there
+        self._tail_round = False  # this round runs a long call's tail plan: nothing is calibrated (`choose`)
 
     def kept_choices(self) -> dict[str, str]:
         """The plan chosen at each batch bucket, as JSON data (ssd/rule_cache.py keeps it)."""
@@ -98,19 +106,21 @@ class Chooser:
         if self.rule.config.fixed is None:
             self._choices.update(choices)
 
-    def choose(self, batch: int, fallback: Optional[Plan] = None, rounds_left: Optional[int] = None) -> Plan:
+    def choose(self, batch: int, fallback: Optional[Plan] = None, tail: bool = False) -> Plan:
         """The plan for a round of `batch` sequences; `fallback` (the draft side failed) overrides it.
         At a batch bucket not yet decided at, the plans are measured first (`_explore`), then the rule
         decides: its choice stands there by the hysteresis, with `_probe`'s rounds of the others; in a
-        call's tail (`rounds_left`, the most rounds the batch may still run, below TAIL_ROUNDS) the choice
-        at the nearest bucket decided at runs instead, where there is one."""
+        long call's tail (`tail`: `call_tail`), once the rule has decided somewhere, the plan running
+        stands instead (AR for an SSD plan; TAIL_ROUNDS)."""
+        self._tail_round = False
         if fallback is not None:
             return fallback
         if self.rule.config.fixed is not None:
             return self._choose_fixed(batch)
         bucket = batch_bucket(batch)
-        if bucket not in self._choices and self._choices and rounds_left is not None and rounds_left < TAIL_ROUNDS:
-            self.current = self._choices[min(self._choices, key=lambda b: (abs(b - bucket), -b))]
+        if tail and bucket not in self._choices and self._choices:
+            self._tail_round = True
+            self.current = Plan.AR if self.current.is_ssd else self.current
             return self.current
         try:
             inputs = self.estimates.inputs(batch)
@@ -329,16 +339,16 @@ class Chooser:
         docs/THEORY.md §3). With the rule fixed, on each of the first `decide_after` timed speculating
         rounds (the estimate is a median: one slow step cannot set the first decision); with it deciding,
         AR's own rounds measured the step first (`_explore`). Then FIRST_CALIBRATION_GAP rounds later,
-        then every CALIBRATE_EVERY; never in a round of first rounds (`cold`, one-off costs). Beside a
-        worker (`cores`) in AR and (rule deciding) SD rounds, once per bucket where it could change the
-        answer, a forward of the verify's shape on the target's own core (`_time_verify_shape`: the
-        cap's v); in an AR round nothing else (the round is AR's step). The round calls this between the
-        draft side's answer and the chains it is sent: the draft side is idle then, so no cache build
+        then every CALIBRATE_EVERY; never in a round of first rounds (`cold`, one-off costs) nor of a long
+        call's tail (`choose`). Beside a worker (`cores`) in AR and (rule deciding) SD rounds, once per
+        bucket where it could change the answer, a forward of the verify's shape on the target's own core
+        (`_time_verify_shape`: the cap's v); in an AR round nothing else (the round is AR's step). The
+        round calls this between the draft side's answer and the chains it is sent: the draft side is idle then, so no cache build
         competes for memory bandwidth. While SD's rounds are not yet timed at this bucket, the AR step
         is timed once more on the target's own core ("decode_narrow": the ratio scales plain
         speculation's verify and drafting until they are measured); the target's share is left as it
         was. Returns the seconds spent."""
-        if cold:
+        if cold or self._tail_round:
             return 0.0
         bucket = batch_bucket(len(running))
         if plan is Plan.AR or (plan is Plan.SD and self.rule.config.fixed is None):

@@ -37,7 +37,7 @@ from rollout_ssd.sequence import Sequence
 from rollout_ssd.spec.draft_model import DraftModelSpeculator
 from rollout_ssd.spec.speculator import Speculator
 from rollout_ssd.spec.verify import DenseDraft, DraftDistribution, MixedDraft, SparseDraft, VerifyResult
-from rollout_ssd.ssd.chooser import Chooser, Plan
+from rollout_ssd.ssd.chooser import Chooser, Plan, call_tail
 from rollout_ssd.ssd.config import SSDConfig
 from rollout_ssd.ssd.cores import TargetCores
 from rollout_ssd.ssd.draft_side import Chains, DraftSide
@@ -85,8 +85,7 @@ class SSDDecode(DecodeStrategy):
     def step(self, running: list[Sequence]) -> int:
         """One round: its plan, docs/THEORY.md §2's four steps (module docstring), then its counts."""
         t0 = time.perf_counter()
-        plan = self.chooser.choose(len(running), fallback=self.draft.fallback,
-                                   rounds_left=max(s.budget for s in running))
+        plan = self.chooser.choose(len(running), fallback=self.draft.fallback, tail=call_tail(running))
         fanout = self.planner.plan(cap=self.chooser.budget_cap(len(running), plan))
         ks = chain_lengths(running, self.k)
         sd, cores = self._share(plan)  # SD in this process; the target's CPU share beside a worker
