@@ -49,12 +49,9 @@ MEASURED_BY = {"ssd+neural": ("verify",), "ssd+suffix": ("verify",), "ssd+random
                "sd": ("plain_verify", "plain_draft"), "suffix": ("plain_verify",), "ar": ("decode",)}
 VERIFY_SHAPE_MAX_ROWS = 64  # beyond: the one-core step is an AR step (a verify's shape there costs a verify or more)
 FIRST_CALIBRATION_GAP = 16  # rounds after the warm-up calibrations (each costs one AR step of the batch)
-# A long call's tail (`call_tail`): a batch bucket not decided at is not explored, nor calibrated; the plan
-# running stands there (AR in place of an SSD plan, which there would build an exploring tree and time it as
-# that bucket's). A plan's first rounds at a bucket carry one-off costs (the draft side catching up on every
-# sequence: 0.5-0.9 s at 10-14 GRPO sequences on a 2-core CPU, ten AR rounds) and its timed rounds a chance
-# of losing, which a tail this short cannot pay back (bench/RESULTS.md, "Batched rollouts"). The bucket stays
-# undecided, so a call that starts there explores it.
+# A long call's tail (`call_tail`, `choose`): a plan's first rounds at a new bucket carry one-off costs (the
+# draft side catching up on every sequence: 0.5-0.9 s at 10-14 GRPO sequences on a 2-core CPU) that so few
+# rounds cannot pay back (bench/RESULTS.md, "Batched rollouts")
 TAIL_ROUNDS = 32
 
 
