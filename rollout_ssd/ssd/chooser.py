@@ -340,11 +340,11 @@ class Chooser:
         call's tail (`choose`). Beside a worker (`cores`) in AR and (rule deciding) SD rounds, once per
         bucket where it could change the answer, a forward of the verify's shape on the target's own core
         (`_time_verify_shape`: the cap's v); in an AR round nothing else (the round is AR's step). The
-        round calls this between the draft side's answer and the chains it is sent: the draft side is idle then, so no cache build
-        competes for memory bandwidth. While SD's rounds are not yet timed at this bucket, the AR step
-        is timed once more on the target's own core ("decode_narrow": the ratio scales plain
-        speculation's verify and drafting until they are measured); the target's share is left as it
-        was. Returns the seconds spent."""
+        round calls this between the draft side's answer and the chains it is sent: the draft side is
+        idle then, so no cache build competes for memory bandwidth. While SD's rounds are not yet timed at
+        this bucket, the AR step is timed once more on the target's own core ("decode_narrow": the ratio
+        scales plain speculation's verify and drafting until they are measured); the target's share is
+        left as it was. Returns the seconds spent."""
         if cold or self._tail_round:
             return 0.0
         bucket = batch_bucket(len(running))

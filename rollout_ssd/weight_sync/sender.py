@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .codec import CHECKSUM_KINDS, all_finite, checksum, checksum_kind, encode_tensor, pack
+from .codec import CHECKSUM_KINDS, check_finite, checksum, checksum_kind, encode_tensor, pack
 from .errors import TransportError, WeightSyncError
 from .manifest import DTYPE_NAMES, DTYPES
 from .transport import Packet, Transport
@@ -235,6 +235,6 @@ class WeightSender:
         t = t.contiguous()
         if t.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
             t = t.clone()  # never keep an alias of the learner's live weights
-        if self.config.check_finite and not all_finite(t):
-            raise WeightSyncError(f"tensor {name!r}: contains NaN or Inf")
+        if self.config.check_finite:
+            check_finite(name, t)
         return t
