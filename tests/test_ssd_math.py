@@ -725,10 +725,11 @@ def test_chooser_measures_ar_then_sd_then_ssd_unless_corollary_9_caps_it_below_t
 
 
 def test_beside_a_worker_one_verify_shaped_step_is_timed_per_bucket_where_it_could_change_the_cap():
-    """In an AR or SD round beside a worker, `calibrate` times one forward of K+1 tokens per sequence
-    (within each sequence's room in the cache; every row's logits) on the target's own core as
-    "verify_narrow", or, past VERIFY_SHAPE_MAX_ROWS rows, one AR step as "decode_narrow"; then undoes
-    it, widens again, and times nothing more at that bucket. Only where SD's verify was measured and the
+    """In an AR round beside a worker, `calibrate` times one forward of K+1 tokens per sequence (within
+    each sequence's room in the cache; every row's logits) on the target's own core as "verify_narrow",
+    or, past VERIFY_SHAPE_MAX_ROWS rows (in SD rounds too), one AR step as "decode_narrow"; then undoes
+    it, widens again, and times nothing more at that bucket. An SD round's own verify measures
+    "verify_narrow" instead (`narrow_verify`). Only where SD's verify was measured and the
     cap at v = 1 exceeds the best measured rate (v <= 1: below it no v could let SSD in). Priors a = 0.6,
     K = 3: E = 2.176; at 3 sequences AR 3 / 0.02 = 150 tok/s; SD's verify 0.025 s: the cap at v = 1 is
     3 * 2.176 / 0.025 = 261 tok/s, above SD's 3 * 2.176 / 0.035 = 187 (timed); SD's verify 0.06 s: 109,
@@ -773,17 +774,25 @@ def test_beside_a_worker_one_verify_shaped_step_is_timed_per_bucket_where_it_cou
     calls.clear()
     chooser.calibrate(Runner(), running[:2], cold=False, cores=cores, plan=Plan.AR)  # bucket 2 again
     assert not calls
-    in_sd = chooser_with(verify=0.025)  # an SD round times it too (then its own calibrations, if due)
+    # an SD round verifies on the target's core itself instead (`narrow_verify`): no forward apart, only
+    # its own calibration step (due: none made yet), one token a row
+    in_sd = chooser_with(verify=0.025)
+    assert in_sd.narrow_verify(3, cores) and not in_sd.narrow_verify(3, None)
     in_sd.calibrate(Runner(), running, cold=False, cores=cores, plan=Plan.SD)
-    assert calls[0] == ([0, 1, 2], [4, 3, 4], False) and in_sd.estimates.times_measured("verify_narrow", 2) == 1
+    assert [c for c in calls if c[0] != "rollback"] == [([0, 1, 2], [1, 1, 1], True)]
+    assert not in_sd.estimates.measured("verify_narrow", 2)
+    in_sd.estimates.observe_time("verify_narrow", 0.04, 3)  # (what that round's verify records)
+    assert not in_sd.narrow_verify(3, cores) and not chooser.narrow_verify(3, cores)  # timed at bucket 2
     calls.clear()
     excluded_anyway = chooser_with(verify=0.06)
     excluded_anyway.calibrate(Runner(), running, cold=False, cores=cores, plan=Plan.AR)
     assert not calls and not excluded_anyway.estimates.measured("verify_narrow", 2)
+    assert not excluded_anyway.narrow_verify(3, cores)
     n = VERIFY_SHAPE_MAX_ROWS // 4 + 1
     wide = [SimpleNamespace(slot=i, last_token=7, num_tokens=10) for i in range(n)]
     past = chooser_with(verify=0.025, batches=(n,))
-    past.calibrate(Runner(), wide, cold=False, cores=cores, plan=Plan.AR)
+    assert not past.narrow_verify(n, cores)  # past the rows: an AR step on one core, in AR and SD rounds alike
+    past.calibrate(Runner(), wide, cold=False, cores=cores, plan=Plan.SD)
     assert calls[0] == (list(range(n)), [1] * n, True)
     assert past.estimates.times_measured("decode_narrow", batch_bucket(n)) == 1
 

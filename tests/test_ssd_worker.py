@@ -243,6 +243,51 @@ def test_sd_rounds_beside_a_worker_are_the_sd_engines_rounds_at_temperature(pair
     engine.close()
 
 
+def test_an_sd_round_timing_the_caps_one_core_verify_drafts_whole_chains_and_verifies_narrow(pair, ar_out):
+    """Where the chooser wants the SSD cap's one-core verify time (`Chooser.narrow_verify`), the SD
+    round itself verifies on the target's own core with chains drafted whole (K tokens, no early stop:
+    the SSD verify's shape), and its verify is timed as "verify_narrow", not as SD's "plain_verify";
+    other SD rounds verify on every core. Greedy stays AR's."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPU cores (the in-process SD rounds exist beside a pinned worker)")
+    import itertools
+
+    import torch
+
+    from rollout_ssd.ssd.chooser import Plan
+
+    wide = (os.sched_getaffinity(0), torch.get_num_threads())
+    engine = ssd_engine(*pair, batch=3, k=3, worker=True)
+    ssd = engine.strategy
+    ssd._sd_spare.stop_prob = 0.9  # the draft's chains mostly stop early, unless drafted whole
+    ssd.chooser.choose = lambda batch, fallback=None, tail=False: Plan.SD
+    turns = itertools.cycle([False, True])
+    ssd.chooser.narrow_verify = lambda batch, cores: next(turns)
+    rounds, propose, verify = [], ssd._propose_sd, ssd._verify
+
+    def proposing(running, ks, whole=False):
+        rnd = propose(running, ks, whole)
+        rounds.append({"whole": whole, "cold": rnd.cold, "ks": list(ks), "lengths": [len(c) for c in rnd.chains]})
+        return rnd
+
+    ssd._propose_sd = proposing
+    ssd._verify = lambda running, rnd, plan: (rounds[-1].update(share=(os.sched_getaffinity(0), torch.get_num_threads())),
+                                               verify(running, rnd, plan))[1]
+    est = ssd.telemetry.estimates
+    timed, observe = [], est.observe_time
+    est.observe_time = lambda name, seconds, batch: (timed.append(name), observe(name, seconds, batch))[1]
+    assert [r.token_ids for r in engine.sample(PROMPTS, GREEDY)] == ar_out
+    narrow = [r for r in rounds if r["whole"] and not r["cold"]]
+    others = [r for r in rounds if not r["whole"] and not r["cold"]]
+    assert narrow and others and [r["whole"] for r in rounds] == [i % 2 == 1 for i in range(len(rounds))]
+    assert all(r["share"] == ({min(wide[0])}, 1) and r["lengths"] == r["ks"] for r in narrow)
+    assert all(r["share"] == wide for r in rounds if r not in narrow)  # a cold round verifies wide
+    assert any(n < k for r in others for n, k in zip(r["lengths"], r["ks"]))  # early stops elsewhere
+    assert timed.count("verify_narrow") == len(narrow) and timed.count("plain_verify") == len(others)
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == wide
+    engine.close()
+
+
 def _count_here(engine) -> list:
     """Per SSD round with a miss: (rows drafted in the target's process, rows the worker drafted)."""
     from rollout_ssd.ssd.messages import DRAFTED

@@ -98,11 +98,11 @@ class DraftModelSpeculator(Speculator):
             del self.cached[key], self.generators[key], self.drafted[key]
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> Proposal:
+    def propose(self, seqs: list[Sequence], ks: list[int], early_stop: bool = True) -> Proposal:
         """Draft ks[i] tokens for seqs[i]. A restricted head is sampled over its own rows (the law is
         the same as over the vocabulary with -inf outside the head, at 1/6 of the width for the
         default draft), and q is reported on that support. A chain ends early after a token drawn
-        with probability below `stop_prob`."""
+        with probability below `stop_prob`, unless `early_stop` is off (every chain ks[i] long)."""
         tokens: list[list[int]] = [[] for _ in seqs]
         k_max = max(ks, default=0)
         head_ids = self.model.head_token_ids
@@ -119,7 +119,7 @@ class DraftModelSpeculator(Speculator):
             def sample(step: int, rows: list[int], logits: torch.Tensor) -> list[int]:
                 q = target_probs(logits, temperature[rows], top_k[rows], top_p[rows])  # the draft law
                 drawn = draw_tokens(q, greedy[rows], [gens[r] for r in rows])
-                if self.stop_prob > 0.0 and step + 1 < k_max:
+                if early_stop and self.stop_prob > 0.0 and step + 1 < k_max:
                     self._stop_unsure(k_sub, rows, step, logits, q, drawn, greedy[rows])
                 if head_ids is not None:
                     drawn = head_ids[drawn]

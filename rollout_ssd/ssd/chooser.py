@@ -4,15 +4,13 @@ Per round it returns a `Plan`: SSD with a backup (the draft model, suffix or ran
 draft model, suffix speculation, or AR. Around the rule's scores it keeps
   - at a batch bucket not yet decided at, rounds that measure each plan, cheapest first (`_explore`):
     AR, plain speculation, then SSD for decide_after timed rounds, skipped where Corollary 9's cap says
-    SSD cannot beat what was measured (on a CPU its verify runs on fewer cores beside the worker) and
-    dropped early when its first timed rounds score decide_margin below the best other; every such
-    round emits tokens (a calibration step does not). With the rule off, the default SSD plan;
-  - the hysteresis per batch bucket: what was chosen at a batch size stands there (a sample() call's
-    tail at a few sequences says nothing about the next call's full batch);
+    SSD cannot beat what was measured (`_excluded`), dropped early when its first timed rounds score
+    decide_margin below the best other; each round emits tokens. With the rule off, the default SSD plan;
+  - the hysteresis per batch bucket: what was chosen at a batch size stands there (a call's tail at a
+    few sequences says nothing about the next call's full batch);
   - AR's decode time, calibrated by an occasional timed AR step of the batch (`calibrate`);
-  - rounds of plans the rule scores without having timed them at a batch size (SD's verify derived from
-    SSD's, priors), tried once when close (`_unmeasured`), and of a close runner-up now and then
-    (`_probe`): a plan that never runs is never measured.
+  - rounds of plans the rule scores without having timed them at a batch size, tried once when close
+    (`_unmeasured`), and of a close runner-up now and then (`_probe`): a plan never run is never measured.
 After a draft worker failure the draft side's fallback decides instead (SD in process, or AR).
 """
 
@@ -49,9 +47,8 @@ MEASURED_BY = {"ssd+neural": ("verify",), "ssd+suffix": ("verify",), "ssd+random
                "sd": ("plain_verify", "plain_draft"), "suffix": ("plain_verify",), "ar": ("decode",)}
 VERIFY_SHAPE_MAX_ROWS = 64  # beyond: the one-core step is an AR step (a verify's shape there costs a verify or more)
 FIRST_CALIBRATION_GAP = 16  # rounds after the warm-up calibrations (each costs one AR step of the batch)
-# A long call's tail (`call_tail`, `choose`): a plan's first rounds at a new bucket carry one-off costs (the
-# draft side catching up on every sequence: 0.5-0.9 s at 10-14 GRPO sequences on a 2-core CPU) that so few
-# rounds cannot pay back (bench/RESULTS.md, "Batched rollouts")
+# A long call's tail (`call_tail`): a plan's first rounds at a new bucket carry one-off costs (the draft side
+# catching up: 0.5-0.9 s at 10-14 GRPO sequences, 2-core CPU) a tail cannot pay back (RESULTS, "Batched rollouts")
 TAIL_ROUNDS = 32
 
 
@@ -98,8 +95,7 @@ class Chooser:
 
     def restore_choices(self, choices: dict[int, Plan]) -> None:
         """Start from an earlier engine's choices (`parse_choices`): at those buckets the rule decides at
-        once (no exploring rounds), keeping the choice by the hysteresis as it would keep its own.
-        Nothing with the rule fixed."""
+        once (no exploring rounds), keeping the choice by the hysteresis. Nothing with the rule fixed."""
         if self.rule.config.fixed is None:
             self._choices.update(choices)
 
@@ -172,15 +168,13 @@ class Chooser:
 
     def _explore(self, bucket: int, inputs: Optional[StrategyInputs], scores: dict[str, float]) -> Optional[Plan]:
         """The next plan to measure at a bucket the rule has not decided at, or None when each was
-        measured (or ruled out): AR first (the cheapest round), then plain speculation (beside a worker
-        its rounds may time one step on the target's own core: `calibrate`), then SSD, each for decide_after timed
-        rounds (one round's timing is noisy), SSD not at all where Corollary 9's cap (`_excluded`) says it
-        cannot beat what was measured; a plan whose first timed rounds score decide_margin below the best
-        other measured one (AR, plain speculation) is left there, and so is one timed at the next larger
-        bucket that scores so far below here (a GRPO call's batch shrinks: SD lost at 24 sequences by 4x on
-        a CPU and was measured again at 15 for 0.4 s, bench/RESULTS.md, "The float32 rows kernel"). Each
-        round of it emits tokens; a round of first rounds times nothing, hence one try more than the timed
-        rounds needed. `scores`: the rule's for `inputs` (empty while nothing was timed)."""
+        measured (or ruled out): AR first (the cheapest round), then plain speculation, then SSD, each for
+        decide_after timed rounds (one round's timing is noisy), SSD not where Corollary 9's cap
+        (`_excluded`) says it cannot beat what was measured; a plan whose first timed rounds score
+        decide_margin below the best other measured one is left there, and so is one timed at the next
+        larger bucket that scores so far below here (a GRPO call's batch shrinks: bench/RESULTS.md, "The
+        float32 rows kernel"). Each round emits tokens; a round of first rounds times nothing, hence one
+        try more than the timed rounds needed. `scores`: the rule's for `inputs` (empty: nothing timed)."""
         excluded = self._excluded(bucket, inputs, scores) if inputs is not None else set()
         for label in EXPLORE_ORDER:
             if label not in self.rule.config.candidates or label in excluded:
@@ -253,9 +247,8 @@ class Chooser:
 
     def _needs_verify_shape(self, bucket: int, batch: int) -> bool:
         """Whether `_excluded`'s v is worth timing at this bucket: SSD plans are untimed here and plain
-        speculation's verify was measured (the cap's denominator), yet the cap at v = 1 does not exclude
-        them. v <= 1, so what v = 1 excludes every v excludes, and the one-core step (a verify's cost,
-        and on a CPU more) is spared where it could not change the answer."""
+        speculation's verify was measured (the cap's denominator), yet the cap at v = 1 (v <= 1: what it
+        excludes every v excludes) does not exclude them."""
         if not self.estimates.measured("plain_verify", bucket):
             return False
         inputs = self.estimates.inputs(batch)
@@ -264,12 +257,10 @@ class Chooser:
 
     def budget_cap(self, batch: int, plan: Optional[Plan] = None) -> Optional[int]:
         """A bound on the fan-out budget per sequence while the rule has not chosen at this batch size,
-        and for a round of `plan` (the round's plan) that only measures it: an SSD plan other than the
-        one chosen there (`_unmeasured`'s tries, `_probe`'s rounds). Such rounds run SSD to measure it,
-        and a full tree over a large batch costs several verifies (the first call of a fresh engine
-        would pay them; at a GRPO batch two tries at 21 sequences cost 2.2 s, bench/RESULTS.md, "A fifth
-        CPU kind"); EXPLORE_TREE_ROWS branches over the batch in all. None once chosen for the plan
-        chosen, or with the rule off."""
+        and for a round of `plan` that only measures it (an SSD plan not chosen there: `_unmeasured`,
+        `_probe`): a full tree over a large batch costs several verifies (two tries at 21 GRPO sequences
+        cost 2.2 s, bench/RESULTS.md, "A fifth CPU kind"); EXPLORE_TREE_ROWS branches over the batch in
+        all. None once chosen for the plan chosen, or with the rule off."""
         if self.rule.config.fixed is not None:
             return None
         chosen = self._choices.get(batch_bucket(batch))
@@ -301,12 +292,10 @@ class Chooser:
 
     def _unmeasured(self, bucket: int, chosen: Plan, scores: dict[str, float], excluded: set[str]) -> Optional[Plan]:
         """The best-scoring other plan never timed at this batch bucket, when it scores within
-        UNMEASURED_WITHIN of the chosen one (UNMEASURED_TRIES rounds at most): a plan that has not run is
-        scored from priors or from other plans' times (SD's verify from SSD's one-core verify beside a
-        cache build, scaled by AR's steps), which on a CPU led the rule astray (bench/RESULTS.md, the
-        seventh session's section); one round of it measures it. A plan timed at the next larger bucket
-        counts as measured (its estimate here is that measurement scaled). None when every close plan is
-        measured, and before UNMEASURED_AFTER rounds were decided at the bucket."""
+        UNMEASURED_WITHIN of the chosen one (UNMEASURED_TRIES rounds at most): one scored from priors or
+        other plans' times led the rule astray on a CPU (bench/RESULTS.md, the seventh session's
+        section); one round measures it. Timed at the next larger bucket counts as measured (scaled).
+        None when every close plan is measured, or before UNMEASURED_AFTER decided rounds at the bucket."""
         if self._decided_rounds[bucket] < UNMEASURED_AFTER:
             return None
         for label in sorted(scores, key=scores.get, reverse=True):
@@ -331,25 +320,21 @@ class Chooser:
 
     def calibrate(self, runner: ModelRunner, running: list[Sequence], cold: bool,
                   cores: Optional[TargetCores] = None, plan: Optional[Plan] = None) -> float:
-        """Time one plain AR decode forward of this batch (then undo it), so the rule compares against
-        AR's real step time, not a prior (on a CPU a verify of K+1 tokens costs more than a decode step,
-        docs/THEORY.md §3). With the rule fixed, on each of the first `decide_after` timed speculating
-        rounds (the estimate is a median: one slow step cannot set the first decision); with it deciding,
-        AR's own rounds measured the step first (`_explore`). Then FIRST_CALIBRATION_GAP rounds later,
-        then every CALIBRATE_EVERY; never in a round of first rounds (`cold`, one-off costs) nor of a long
-        call's tail (`choose`). Beside a worker (`cores`) in AR and (rule deciding) SD rounds, once per
-        bucket where it could change the answer, a forward of the verify's shape on the target's own core
-        (`_time_verify_shape`: the cap's v); in an AR round nothing else (the round is AR's step). The
-        round calls this between the draft side's answer and the chains it is sent: the draft side is
-        idle then, so no cache build competes for memory bandwidth. While SD's rounds are not yet timed at
-        this bucket, the AR step is timed once more on the target's own core ("decode_narrow": the ratio
-        scales plain speculation's verify and drafting until they are measured); the target's share is
-        left as it was. Returns the seconds spent."""
+        """Time one plain AR decode forward of this batch (then undo it): the rule compares against AR's
+        real step, not a prior (docs/THEORY.md §3). With the rule fixed, on each of the first
+        `decide_after` timed speculating rounds (a median: one slow step cannot set the first decision);
+        deciding, AR's own rounds measured it first (`_explore`). Then FIRST_CALIBRATION_GAP rounds
+        later, then every CALIBRATE_EVERY; never in a round of first rounds (`cold`) nor of a long call's
+        tail (`choose`). Beside a worker (`cores`) in AR and (rule deciding) SD rounds, once per bucket
+        where it could change the answer, the cap's one-core time (`_time_verify_shape`); in an AR round
+        nothing else. Called between the draft side's answer and the chains it is sent: no cache build
+        competes for memory then. While SD is untimed at this bucket, the AR step is timed on the
+        target's own core too ("decode_narrow": it scales plain speculation's priors). Returns the seconds spent."""
         if cold or self._tail_round:
             return 0.0
         bucket = batch_bucket(len(running))
         if plan is Plan.AR or (plan is Plan.SD and self.rule.config.fixed is None):
-            shape = self._time_verify_shape(runner, running, cores, bucket)
+            shape = self._time_verify_shape(runner, running, cores, plan)
             if plan is Plan.AR:  # the round is AR's step on every core: timed as it runs
                 return shape
         else:
@@ -372,14 +357,29 @@ class Chooser:
         self._calibrations, self._rounds_since_calibration = self._calibrations + 1, 0
         return seconds
 
+    def narrow_verify(self, batch: int, cores: Optional[TargetCores]) -> bool:
+        """Whether this SD round (the rule deciding) verifies on the target's own core as the cap's
+        "verify_narrow" (`_time_verify_shape`): a round that emits tokens costs what its verify loses on
+        one core, not a forward more. Its chains are drafted whole: the SSD verify's shape, K+1 tokens."""
+        return self.rule.config.fixed is None and not self._tail_round and self._verify_shape(batch, cores) == "verify_narrow"
+
+    def _verify_shape(self, batch: int, cores: Optional[TargetCores]) -> Optional[str]:
+        """The one-core time `_excluded`'s v still needs at this batch ("verify_narrow"; past
+        VERIFY_SHAPE_MAX_ROWS rows "decode_narrow", an AR step), or None."""
+        bucket = batch_bucket(batch)
+        name = "verify_narrow" if batch * (self.config.k + 1) <= VERIFY_SHAPE_MAX_ROWS else "decode_narrow"
+        if cores is None or self.estimates.measured(name, bucket) or not self._needs_verify_shape(bucket, batch):
+            return None
+        return name
+
     def _time_verify_shape(self, runner: ModelRunner, running: list[Sequence], cores: Optional[TargetCores],
-                           bucket: int) -> float:
+                           plan: Optional[Plan]) -> float:
         """Beside a worker, once per batch bucket where `_needs_verify_shape`: one forward of the verify's
         shape (K+1 tokens per sequence; an AR step beyond VERIFY_SHAPE_MAX_ROWS rows) on the target's own
-        core, "verify_narrow" / "decode_narrow" (`_excluded`'s v). Returns the seconds spent."""
-        rows = len(running) * (self.config.k + 1)
-        name = "verify_narrow" if rows <= VERIFY_SHAPE_MAX_ROWS else "decode_narrow"
-        if cores is None or self.estimates.measured(name, bucket) or not self._needs_verify_shape(bucket, len(running)):
+        core, "verify_narrow" / "decode_narrow" (`_excluded`'s v); an SD round's own verify times the
+        first (`narrow_verify`). Returns the seconds spent."""
+        name = self._verify_shape(len(running), cores)
+        if name is None or (name == "verify_narrow" and plan is Plan.SD):
             return 0.0
         cores.narrow()
         seconds = self._time_step(runner, running, name, tokens=self.config.k + 1 if name == "verify_narrow" else 1)

@@ -89,16 +89,22 @@ class SSDDecode(DecodeStrategy):
         fanout = self.planner.plan(cap=self.chooser.budget_cap(len(running), plan))
         ks = chain_lengths(running, self.k)
         sd, cores = self._share(plan)  # SD in this process; the target's CPU share beside a worker
+        narrow = sd and self.chooser.narrow_verify(len(running), cores)  # this SD round's verify on one core
         # 1. the last verdicts out, this round's chains in (the cache, the draft on demand, a fast backup)
-        rnd = self._propose_sd(running, ks) if sd else self._propose(running, ks, plan, fanout, cores)
+        rnd = self._propose_sd(running, ks, narrow) if sd else self._propose(running, ks, plan, fanout, cores)
+        narrow = narrow and not rnd.cold  # a round of first rounds times nothing
         calibration = self.chooser.calibrate(self.runner, running, rnd.cold, cores, plan)
         # 2. the chains to the draft side, which builds the next cache from them (a worker: during step 3)
         told = rnd.reply is not None and self.draft.build(running, rnd.chains, ks, plan.is_ssd, fanout.fanout)
         t2 = time.perf_counter()
         # 3. each chain verified against its own q (an AR round: the AR engine's step); device time on a GPU
+        if narrow:
+            cores.narrow()
         timer = DeviceTimer(self.runner.device).start()
         result = self._verify(running, rnd, plan)
         verify_seconds = timer.stop()
+        if narrow:
+            cores.widen()
         t3 = time.perf_counter()
         # 4. append, roll back; the verdicts go out in the next round's step 1
         outcome = finish_round(self.runner, running, result)
@@ -109,7 +115,7 @@ class SSDDecode(DecodeStrategy):
             self.backup.on_verified(running, outcome.accepted)
         t4 = time.perf_counter()
         self._count(plan, fanout, rnd, ks, outcome, draft_seconds=(t2 - t0 - calibration) + (t4 - t3),
-                    verify_seconds=verify_seconds)
+                    verify_seconds=verify_seconds, narrow=narrow)
         self.telemetry.record(plan, fanout, rnd, outcome.emitted,
                               RoundTimes(time.perf_counter() - t0, verify_seconds, calibration))
         return outcome.emitted
@@ -154,14 +160,15 @@ class SSDDecode(DecodeStrategy):
         return DraftModelSpeculator(self.draft.draft_model, self.draft.num_slots, self.draft.max_model_len,
                                     stop_prob=self.config.stop_prob)
 
-    def _propose_sd(self, running: list[Sequence], ks: list[int]) -> Chains:
-        """An SD round's chains from the in-process speculator, verified against its batch law. The round
-        that takes the speculator up holds its prefill of the live sequences: a one-off, timed as a first round."""
+    def _propose_sd(self, running: list[Sequence], ks: list[int], whole: bool = False) -> Chains:
+        """An SD round's chains from the in-process speculator, verified against its batch law (`whole`:
+        each ks[i] long, no early stop). The round that takes the speculator up holds its prefill of the
+        live sequences: a one-off, timed as a first round."""
         fresh = self.sd is None
         rnd = Chains.empty([fresh or self.draft.is_first_round(s) for s in running])
         sd = self._speculator()
         t0 = time.perf_counter()
-        prop = sd.propose(running, ks)
+        prop = sd.propose(running, ks, early_stop=not whole)
         rnd.wait_seconds = time.perf_counter() - t0
         rnd.chains, rnd.whole_q = [list(t) for t in prop.tokens], prop.q
         rnd.paths = ["draft" if c else "none" for c in rnd.chains]
@@ -212,13 +219,13 @@ class SSDDecode(DecodeStrategy):
         return verify_round(self.runner, seqs, chains, q)
 
     def _count(self, plan: Plan, fanout: FanoutPlan, rnd: Chains, ks: list[int], outcome: RoundOutcome,
-               draft_seconds: float, verify_seconds: float) -> None:
+               draft_seconds: float, verify_seconds: float, narrow: bool = False) -> None:
         self.stats.add_spec_round(
             proposed=[len(c) for c in rnd.chains], accepted=outcome.accepted, rejected=outcome.rejected,
             emitted=outcome.emitted, draft_seconds=draft_seconds, verify_seconds=verify_seconds,
         )
         self.chooser.count_round(plan, rnd.cold)
-        self.telemetry.observe(plan, fanout, rnd, ks, outcome, verify_seconds)
+        self.telemetry.observe(plan, fanout, rnd, ks, outcome, verify_seconds, narrow)
 
     # ------------------------------------------------------------------ lifecycle
     def before_prefill(self, seqs: list[Sequence]) -> None:

@@ -49,12 +49,15 @@ class RoundTelemetry:
         self._prev_budget = 0
 
     def observe(self, plan: Plan, fanout: FanoutPlan, rnd: Chains, ks: list[int], outcome: RoundOutcome,
-                verify_seconds: float) -> None:
+                verify_seconds: float, narrow: bool = False) -> None:
         est, b = self.estimates, len(ks)
         # an SSD round for which no cache was built (after AR or SD rounds: the draft side catches up on
         # every sequence) times nothing either: its wait is that one-off catch-up, not a cache's
         unwarm = plan.is_ssd and not any(rnd.warm)
         timed = (lambda name, seconds, batch: None) if rnd.cold or unwarm else est.observe_time
+        if narrow:  # an SD round verified on the target's own core (Chooser.narrow_verify): that time only
+            timed("verify_narrow", verify_seconds, b)
+            timed = (lambda name, seconds, batch: None)
         # an AR round is a one-token step: AR's time, not a K+1-token verify's; a plain speculation
         # round's verify has no cache build beside it (and on a CPU may have the worker's core too)
         timed("decode" if plan is Plan.AR else "verify" if plan.is_ssd else "plain_verify", verify_seconds, b)
