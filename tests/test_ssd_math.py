@@ -532,6 +532,24 @@ def test_live_time_estimates_forget_a_slow_first_measurement():
     assert est.seconds("decode", 4) == pytest.approx(0.07)
 
 
+def test_plain_speculation_times_are_medians_so_one_slow_round_does_not_tip_a_near_tie_to_ar():
+    """SD's verify and drafting times are medians of their last few, as AR's step is: the two plans the
+    rule weighs against each other on a CPU are read alike. At 4 sequences AR makes 4 / 0.045 = 88.9
+    tok/s and SD (2 tokens a sequence a round) 8 / (0.065 + 0.018) = 96.4 at its medians; one host hiccup
+    (a 0.2 s verify) among SD's five rounds leaves that estimate, where their mean (about 0.092 s) would
+    put SD at 72.7, below AR. SSD's verify stays a mean."""
+    est = LiveEstimates(EstimatesConfig(k=3, halflife_rounds=50.0))
+    for _ in range(3):
+        est.observe_time("decode", 0.045, 4)
+    for verify in (0.065, 0.066, 0.2, 0.064, 0.065):
+        est.observe_time("plain_verify", verify, 4)
+        est.observe_time("plain_draft", 0.018, 4)
+        est.observe_time("verify", verify, 4)
+    assert est.seconds("plain_verify", 4) == pytest.approx(0.065) and est.seconds("plain_draft", 4) == pytest.approx(0.018)
+    assert 4 * 2.0 / (est.seconds("plain_verify", 4) + est.seconds("plain_draft", 4)) > 4 / est.seconds("decode", 4)
+    assert est.seconds("verify", 4) > 0.09  # a mean: the hiccup is in it
+
+
 def test_live_times_depend_on_the_batch_size():
     """A time seen at one batch size is scaled to another by (b + B0) / (b0 + B0); with two or more sizes
     seen, by the least-squares line alpha + beta * b (alpha, beta >= 0) whose slope is shrunk towards that

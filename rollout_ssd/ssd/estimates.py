@@ -83,7 +83,8 @@ class _Mean(_Ratio):
 
 class _RecentMedian:
     """Median of the last `size` values: for AR's decode time, measured by rare one-step calibrations
-    (and by AR rounds), where one outlier (a first, cold forward) must not set the estimate."""
+    (and by AR rounds), where one outlier (a first, cold forward) must not set the estimate, and for the
+    times it is weighed against (`LiveEstimates.MEDIANS`)."""
 
     def __init__(self, size: int):
         self.values: list[float] = []
@@ -182,7 +183,12 @@ class LiveEstimates:
     # "verify_narrow": a forward of K+1 tokens per sequence on the target's own core (the SSD verify's
     # shape beside the worker, timed before any SSD round: ssd/chooser.py's cap on SSD)
     UNPRIORED = (*PLAIN, "decode_narrow", "drafting", "verify_narrow")
-    MEDIANS = ("decode", "decode_narrow", "verify_narrow")
+    # medians (`_RecentMedian`): AR's step (rare calibrations, a cold first forward among them) and plain
+    # speculation's times, so that the two plans a CPU's rule weighs against each other are read alike (a
+    # host hiccup in one SD round raised SD's mean, never AR's median, and tipped near ties to AR,
+    # bench/RESULTS.md, "Plain speculation's times as medians"); SSD's times stay means: their spread is the
+    # plan's own (a cache build beside the verify)
+    MEDIANS = ("decode", "decode_narrow", "verify_narrow", "plain_verify", "plain_draft")
 
     def __init__(self, config: EstimatesConfig):
         self.config = config
@@ -193,7 +199,7 @@ class LiveEstimates:
         self._accept = {s: _Ratio(a[s], w, d) for s in SPECULATORS}
         e = tokens_from_acceptance(a, config.k)
         self._tokens = {path: _Ratio(e[path], w, d) for path in self.PATHS}
-        # AR's step times (rare calibrations) are medians of their last few; every other time a mean
+        # MEDIANS are medians of their last few; every other time a mean
         self._times = {name: _BatchTimes((lambda: _RecentMedian(self.DECODE_WINDOW)) if name in self.MEDIANS
                                          else (lambda: _Mean(d)))
                        for name in self.TIMES + self.UNPRIORED}
