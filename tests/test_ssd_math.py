@@ -742,6 +742,45 @@ def test_chooser_measures_ar_then_sd_then_ssd_unless_corollary_9_caps_it_below_t
     assert chooser.budget_cap(1) is None  # decided at bucket 1
 
 
+@pytest.mark.parametrize("restored", [False, True])
+def test_an_engine_from_kept_choices_retimes_ar_once_then_every_calibrate_every(restored):
+    """The rule deciding, AR's step is timed in the first speculating round that can be timed, again
+    FIRST_CALIBRATION_GAP rounds later (a second warm-up sample for the median), then every
+    CALIBRATE_EVERY; an engine that started from kept choices (the rule's cache) skips the second
+    warm-up: its median holds the earlier runs' times already."""
+    from types import SimpleNamespace
+
+    from rollout_ssd.ssd.chooser import CALIBRATE_EVERY, FIRST_CALIBRATION_GAP, Plan
+
+    steps = []
+
+    class Runner:
+        device, max_len = "cpu", 50
+
+        def extend(self, slots, rows, last_only):
+            steps.append(len(slots))
+
+        def rollback(self, slot, n):
+            pass
+
+    chooser, _ = _fresh_chooser()
+    if restored:
+        chooser.restore_choices({1: Plan.SD})
+    running = [SimpleNamespace(slot=0, last_token=7, num_tokens=10)]
+    timed_at = []
+    for i in range(FIRST_CALIBRATION_GAP + CALIBRATE_EVERY + 4):
+        before = len(steps)
+        chooser.calibrate(Runner(), running, cold=i == 0, plan=Plan.SD)
+        if len(steps) > before:
+            timed_at.append(i)
+    # round 0 is cold; a gap of n rounds puts the next timing n + 1 rounds after the last
+    if restored:
+        assert timed_at == [1, 1 + CALIBRATE_EVERY + 1]
+    else:
+        second = 1 + FIRST_CALIBRATION_GAP + 1
+        assert timed_at == [1, second, second + CALIBRATE_EVERY + 1]
+
+
 def test_beside_a_worker_one_verify_shaped_step_is_timed_per_bucket_where_it_could_change_the_cap():
     """In an AR round beside a worker, `calibrate` times one forward of K+1 tokens per sequence (within
     each sequence's room in the cache; every row's logits) on the target's own core as "verify_narrow",

@@ -53,8 +53,7 @@ TAIL_ROUNDS = 32
 
 
 def call_tail(running: list[Sequence]) -> bool:
-    """Whether this round is a long call's tail: every sequence has fewer than TAIL_ROUNDS tokens left of
-    its budget and one has made TAIL_ROUNDS or more (a call shorter than that explores as always)."""
+    """Whether this round is a long call's tail: every sequence has under TAIL_ROUNDS tokens of budget, one made that many."""
     return max(s.budget for s in running) < TAIL_ROUNDS <= max(len(s.token_ids) for s in running)
 
 
@@ -73,7 +72,7 @@ class Chooser:
         self.decided = False
         self._choices: dict[int, Plan] = {}  # batch_bucket -> the plan last chosen at those batch sizes
         self._measured_rounds = 0  # speculating rounds timed so far (SSDConfig.decide_after)
-        self._calibrations, self._rounds_since_calibration = 0, 0
+        self._calibrations, self._rounds_since_calibration, self._restored = 0, 0, False
         self._since_probe: dict[int, int] = {}  # batch_bucket -> decided rounds since its last probe
         self._tries: dict[tuple[int, str], int] = {}  # (batch_bucket, plan label) -> unmeasured-plan rounds run
         self._decided_rounds: dict[int, int] = {}  # batch_bucket -> rounds decided there
@@ -98,6 +97,7 @@ class Chooser:
         once (no exploring rounds), keeping the choice by the hysteresis. Nothing with the rule fixed."""
         if self.rule.config.fixed is None:
             self._choices.update(choices)
+            self._restored = bool(choices)
 
     def choose(self, batch: int, fallback: Optional[Plan] = None, tail: bool = False) -> Plan:
         """The plan for a round of `batch` sequences; `fallback` (the draft side failed) overrides it.
@@ -323,13 +323,13 @@ class Chooser:
         """Time one plain AR decode forward of this batch (then undo it): the rule compares against AR's
         real step, not a prior (docs/THEORY.md §3). With the rule fixed, on each of the first
         `decide_after` timed speculating rounds (a median: one slow step cannot set the first decision);
-        deciding, AR's own rounds measured it first (`_explore`). Then FIRST_CALIBRATION_GAP rounds
-        later, then every CALIBRATE_EVERY; never in a round of first rounds (`cold`) nor of a long call's
-        tail (`choose`). Beside a worker (`cores`) in AR and (rule deciding) SD rounds, once per bucket
-        where it could change the answer, the cap's one-core time (`_time_verify_shape`); in an AR round
-        nothing else. Called between the draft side's answer and the chains it is sent: no cache build
-        competes for memory then. While SD is untimed at this bucket, the AR step is timed on the
-        target's own core too ("decode_narrow": it scales plain speculation's priors). Returns the seconds spent."""
+        deciding, AR's own rounds measured it first (`_explore`). Then FIRST_CALIBRATION_GAP rounds later
+        (not from kept choices), then every CALIBRATE_EVERY; never in a round of first rounds (`cold`)
+        nor in a long call's tail. Beside a worker (`cores`) in AR and (rule deciding) SD rounds, once per
+        bucket where it could change the answer, the cap's one-core time (`_time_verify_shape`). Called
+        between the draft side's answer and the chains it is sent (no cache build competes for memory).
+        While SD is untimed at this bucket, the AR step is timed on the target's own core too
+        ("decode_narrow": it scales plain speculation's priors). Returns the seconds spent."""
         if cold or self._tail_round:
             return 0.0
         bucket = batch_bucket(len(running))
@@ -339,10 +339,10 @@ class Chooser:
                 return shape
         else:
             shape = 0.0
-        # with the rule deciding, AR's rounds measured it first (`_explore`): later calibrations only
+        # rule deciding: AR's rounds measured it first (`_explore`); from kept choices, no second warm-up
         warmup = self.config.decide_after if self.rule.config.fixed is not None else 1
-        gap = 0 if self._calibrations < warmup else FIRST_CALIBRATION_GAP if self._calibrations == warmup \
-            else CALIBRATE_EVERY
+        second = self._calibrations == warmup and not self._restored
+        gap = 0 if self._calibrations < warmup else FIRST_CALIBRATION_GAP if second else CALIBRATE_EVERY
         if self._calibrations and self._rounds_since_calibration < gap:
             self._rounds_since_calibration += 1
             return shape
@@ -359,8 +359,8 @@ class Chooser:
 
     def narrow_verify(self, batch: int, cores: Optional[TargetCores]) -> bool:
         """Whether this SD round (the rule deciding) verifies on the target's own core as the cap's
-        "verify_narrow" (`_time_verify_shape`): a round that emits tokens costs what its verify loses on
-        one core, not a forward more. Its chains are drafted whole: the SSD verify's shape, K+1 tokens."""
+        "verify_narrow" (`_time_verify_shape`), its chains drafted whole (the SSD verify's shape): a round
+        that emits tokens costs what its verify loses on one core, not a forward more."""
         return self.rule.config.fixed is None and not self._tail_round and self._verify_shape(batch, cores) == "verify_narrow"
 
     def _verify_shape(self, batch: int, cores: Optional[TargetCores]) -> Optional[str]:
