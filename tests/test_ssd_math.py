@@ -742,6 +742,42 @@ def test_chooser_measures_ar_then_sd_then_ssd_unless_corollary_9_caps_it_below_t
     assert chooser.budget_cap(1) is None  # decided at bucket 1
 
 
+def test_an_sd_round_that_times_the_caps_verify_is_not_one_of_sds_exploring_rounds():
+    """`_explore` runs SD for decide_after timed rounds (one try more: a round of first rounds times
+    nothing); a round of it that verified on the target's own core (`narrow_verify`, timing the cap's
+    v, no SD time) gives its try back (`count_round`), so SD is still timed decide_after times before
+    the rule decides. Priors as above: SD (62.2 tok/s) within decide_margin of AR (50), and v = 0.025 /
+    0.04 puts SSD's cap (54.4) below SD: never tried."""
+    from rollout_ssd.ssd.chooser import Plan
+
+    chooser, config = _fresh_chooser()
+    est = chooser.estimates
+    assert chooser.choose(1) is Plan.AR
+    est.observe_time("decode", 0.02, 1)
+    chooser.count_round(Plan.AR, cold=False)
+    timed = rounds = 0
+    while True:
+        assert chooser.choose(1) is Plan.SD
+        if chooser.budget_cap(1) is None:  # the rule decided at bucket 1 in this choice
+            break
+        rounds += 1
+        if rounds == 1:  # the speculator's takeup: a round of first rounds
+            chooser.count_round(Plan.SD, cold=True, batch=1)
+        elif rounds == 3:  # the cap's one-core verify
+            est.observe_time("verify_narrow", 0.04, 1)
+            chooser.count_round(Plan.SD, cold=False, batch=1, narrow=True)
+        else:
+            est.observe_time("plain_verify", 0.025, 1)
+            est.observe_time("plain_draft", 0.01, 1)
+            chooser.count_round(Plan.SD, cold=False, batch=1)
+            timed += 1
+    assert timed == config.decide_after and rounds == config.decide_after + 2 and not est.measured("verify", 1)
+    fixed, _ = _fresh_chooser()
+    fixed.rule.config = type(fixed.rule.config)(candidates=fixed.rule.config.candidates, fixed="sd")
+    fixed.estimates.observe_time("plain_verify", 0.025, 1)
+    assert not fixed.narrow_verify(1, cores=object())  # the rule fixed: nothing to decide
+
+
 @pytest.mark.parametrize("restored", [False, True])
 def test_an_engine_from_kept_choices_retimes_ar_once_then_every_calibrate_every(restored):
     """The rule deciding, AR's step is timed in the first speculating round that can be timed, again
@@ -933,7 +969,8 @@ def test_chooser_does_not_explore_a_new_bucket_in_a_calls_tail():
     Before anything was decided, and in a call shorter than TAIL_ROUNDS, the chooser explores as usual."""
     from types import SimpleNamespace
 
-    from rollout_ssd.ssd.chooser import TAIL_ROUNDS, Plan, batch_bucket, call_tail
+    from rollout_ssd.ssd.chooser import Plan, batch_bucket
+    from rollout_ssd.ssd.plans import TAIL_ROUNDS, call_tail
 
     def seqs(made, left):
         return [SimpleNamespace(token_ids=[0] * m, budget=b) for m, b in zip(made, left)]

@@ -247,7 +247,8 @@ def test_an_sd_round_timing_the_caps_one_core_verify_drafts_whole_chains_and_ver
     """Where the chooser wants the SSD cap's one-core verify time (`Chooser.narrow_verify`), the SD
     round itself verifies on the target's own core with chains drafted whole (K tokens, no early stop:
     the SSD verify's shape), and its verify is timed as "verify_narrow", not as SD's "plain_verify";
-    other SD rounds verify on every core. Greedy stays AR's."""
+    other SD rounds verify on every core. A round of first rounds neither drafts whole nor narrows.
+    Greedy stays AR's."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two CPU cores (the in-process SD rounds exist beside a pinned worker)")
     import itertools
@@ -274,16 +275,22 @@ def test_an_sd_round_timing_the_caps_one_core_verify_drafts_whole_chains_and_ver
     ssd._verify = lambda running, rnd, plan: (rounds[-1].update(share=(os.sched_getaffinity(0), torch.get_num_threads())),
                                                verify(running, rnd, plan))[1]
     est = ssd.telemetry.estimates
-    timed, observe = [], est.observe_time
-    est.observe_time = lambda name, seconds, batch: (timed.append(name), observe(name, seconds, batch))[1]
+    timed, observe = [], est.observe_time  # (round, time name)
+    est.observe_time = lambda name, seconds, batch: (timed.append((len(rounds) - 1, name)), observe(name, seconds, batch))[1]
     assert [r.token_ids for r in engine.sample(PROMPTS, GREEDY)] == ar_out
     narrow = [r for r in rounds if r["whole"] and not r["cold"]]
     others = [r for r in rounds if not r["whole"] and not r["cold"]]
-    assert narrow and others and [r["whole"] for r in rounds] == [i % 2 == 1 for i in range(len(rounds))]
+    warm = [r for r in rounds if not r["cold"]]  # the chooser is asked in these only
+    assert narrow and others and [r["whole"] for r in warm] == [i % 2 == 1 for i in range(len(warm))]
+    assert any(r["cold"] for r in rounds) and not any(r["whole"] for r in rounds if r["cold"])
     assert all(r["share"] == ({min(wide[0])}, 1) and r["lengths"] == r["ks"] for r in narrow)
     assert all(r["share"] == wide for r in rounds if r not in narrow)  # a cold round verifies wide
     assert any(n < k for r in others for n, k in zip(r["lengths"], r["ks"]))  # early stops elsewhere
-    assert timed.count("verify_narrow") == len(narrow) and timed.count("plain_verify") == len(others)
+    names = [name for _, name in timed]
+    assert names.count("verify_narrow") == len(narrow) and names.count("plain_verify") == len(others)
+    for i, r in enumerate(rounds):  # a narrow round times its verify, and no SD time
+        in_round = {name for j, name in timed if j == i}
+        assert ("verify_narrow" in in_round) == (r in narrow) and not (r in narrow and in_round & {"plain_verify", "plain_draft"})
     assert (os.sched_getaffinity(0), torch.get_num_threads()) == wide
     engine.close()
 

@@ -47,14 +47,6 @@ MEASURED_BY = {"ssd+neural": ("verify",), "ssd+suffix": ("verify",), "ssd+random
                "sd": ("plain_verify", "plain_draft"), "suffix": ("plain_verify",), "ar": ("decode",)}
 VERIFY_SHAPE_MAX_ROWS = 64  # beyond: the one-core step is an AR step (a verify's shape there costs a verify or more)
 FIRST_CALIBRATION_GAP = 16  # rounds after the warm-up calibrations (each costs one AR step of the batch)
-# A long call's tail (`call_tail`): a plan's first rounds at a new bucket carry one-off costs (the draft side
-# catching up: 0.5-0.9 s at 10-14 GRPO sequences, 2-core CPU) a tail cannot pay back (RESULTS, "Batched rollouts")
-TAIL_ROUNDS = 32
-
-
-def call_tail(running: list[Sequence]) -> bool:
-    """Whether this round is a long call's tail: every sequence has under TAIL_ROUNDS tokens of budget, one made that many."""
-    return max(s.budget for s in running) < TAIL_ROUNDS <= max(len(s.token_ids) for s in running)
 
 
 class Chooser:
@@ -72,7 +64,8 @@ class Chooser:
         self.decided = False
         self._choices: dict[int, Plan] = {}  # batch_bucket -> the plan last chosen at those batch sizes
         self._measured_rounds = 0  # speculating rounds timed so far (SSDConfig.decide_after)
-        self._calibrations, self._rounds_since_calibration, self._restored = 0, 0, False
+        self._calibrations, self._rounds_since_calibration = 0, 0
+        self._restored: set[int] = set()  # buckets of kept choices (`calibrate`: no second warm-up there)
         self._since_probe: dict[int, int] = {}  # batch_bucket -> decided rounds since its last probe
         self._tries: dict[tuple[int, str], int] = {}  # (batch_bucket, plan label) -> unmeasured-plan rounds run
         self._decided_rounds: dict[int, int] = {}  # batch_bucket -> rounds decided there
@@ -97,14 +90,14 @@ class Chooser:
         once (no exploring rounds), keeping the choice by the hysteresis. Nothing with the rule fixed."""
         if self.rule.config.fixed is None:
             self._choices.update(choices)
-            self._restored = bool(choices)
+            self._restored |= set(choices)
 
     def choose(self, batch: int, fallback: Optional[Plan] = None, tail: bool = False) -> Plan:
         """The plan for a round of `batch` sequences; `fallback` (the draft side failed) overrides it.
         At a batch bucket not yet decided at, the plans are measured first (`_explore`), then the rule
         decides: its choice stands there by the hysteresis, with `_probe`'s rounds of the others; in a
         long call's tail (`tail`: `call_tail`), once the rule has decided somewhere, the plan running
-        stands instead (AR for an SSD plan; TAIL_ROUNDS)."""
+        stands instead (AR for an SSD plan; plans.TAIL_ROUNDS)."""
         self._tail_round = False
         if fallback is not None:
             return fallback
@@ -310,9 +303,13 @@ class Chooser:
                 return Plan(label)
         return None
 
-    def count_round(self, plan: Plan, cold: bool) -> None:
+    def count_round(self, plan: Plan, cold: bool, batch: int = 1, narrow: bool = False) -> None:
         """A round ran: an AR round measured AR's step (as a calibration does); a speculating round that
-        was timed (not `cold`) counts towards decide_after."""
+        was timed (not `cold`) counts towards decide_after; a `narrow_verify` round timed no SD round,
+        so it gives back the try `_explore` counted."""
+        if narrow:
+            key = (batch_bucket(batch), plan.label)
+            self._tries[key] = max(0, self._tries.get(key, 0) - 1)
         if plan is Plan.AR:
             self._calibrations, self._rounds_since_calibration = self._calibrations + 1, 0
         else:
@@ -341,7 +338,7 @@ class Chooser:
             shape = 0.0
         # rule deciding: AR's rounds measured it first (`_explore`); from kept choices, no second warm-up
         warmup = self.config.decide_after if self.rule.config.fixed is not None else 1
-        second = self._calibrations == warmup and not self._restored
+        second = self._calibrations == warmup and bucket not in self._restored
         gap = 0 if self._calibrations < warmup else FIRST_CALIBRATION_GAP if second else CALIBRATE_EVERY
         if self._calibrations and self._rounds_since_calibration < gap:
             self._rounds_since_calibration += 1

@@ -1,5 +1,6 @@
-"""What one SSD round can run (`Plan`), the batch buckets plan choices are kept per, and the plans the
-strategy rule may pick given the fast backup. The chooser (ssd/chooser.py) picks among them per round.
+"""What one SSD round can run (`Plan`), the batch buckets plan choices are kept per, a long call's tail
+(where no new bucket is explored), and the plans the strategy rule may pick given the fast backup. The
+chooser (ssd/chooser.py) picks among them per round.
 """
 
 from __future__ import annotations
@@ -47,6 +48,18 @@ class Plan(Enum):
 def batch_bucket(batch: int) -> int:
     """Batch sizes that share a plan choice: 1, 2-3, 4-7, 8-15, 16-31, ..."""
     return batch.bit_length()
+
+
+# A long call's tail (`call_tail`): a plan's first rounds at a new bucket carry one-off costs (the draft side
+# catching up: 0.5-0.9 s at 10-14 GRPO sequences, 2-core CPU) a tail cannot pay back (bench/RESULTS.md,
+# "Batched rollouts"); there a bucket not decided at keeps the plan running (ssd/chooser.py)
+TAIL_ROUNDS = 32
+
+
+def call_tail(running: list) -> bool:
+    """Whether this round is a long call's tail: every sequence (`Sequence`) has fewer than TAIL_ROUNDS
+    tokens of its budget left and one has made TAIL_ROUNDS or more (a shorter call explores as always)."""
+    return max(s.budget for s in running) < TAIL_ROUNDS <= max(len(s.token_ids) for s in running)
 
 
 def candidate_plans(backup: Optional[str]) -> tuple[Plan, ...]:

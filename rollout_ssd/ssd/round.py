@@ -37,12 +37,13 @@ from rollout_ssd.sequence import Sequence
 from rollout_ssd.spec.draft_model import DraftModelSpeculator
 from rollout_ssd.spec.speculator import Speculator
 from rollout_ssd.spec.verify import DenseDraft, DraftDistribution, MixedDraft, SparseDraft, VerifyResult
-from rollout_ssd.ssd.chooser import Chooser, Plan, call_tail
+from rollout_ssd.ssd.chooser import Chooser, Plan
 from rollout_ssd.ssd.config import SSDConfig
 from rollout_ssd.ssd.cores import TargetCores
 from rollout_ssd.ssd.draft_side import Chains, DraftSide
 from rollout_ssd.ssd.estimates import EstimatesConfig, LiveEstimates
 from rollout_ssd.ssd.fanout import FanoutConfig, FanoutPlan, FanoutPlanner
+from rollout_ssd.ssd.plans import call_tail
 from rollout_ssd.ssd.rule_cache import RuleCache, cache_directory, engine_key
 from rollout_ssd.ssd.telemetry import RoundTelemetry, RoundTimes
 
@@ -89,10 +90,10 @@ class SSDDecode(DecodeStrategy):
         fanout = self.planner.plan(cap=self.chooser.budget_cap(len(running), plan))
         ks = chain_lengths(running, self.k)
         sd, cores = self._share(plan)  # SD in this process; the target's CPU share beside a worker
-        narrow = sd and self.chooser.narrow_verify(len(running), cores)  # this SD round's verify on one core
+        # this SD round's verify on the target's own core (a round of first rounds times nothing)
+        narrow = sd and not all(self._sd_first(running)) and self.chooser.narrow_verify(len(running), cores)
         # 1. the last verdicts out, this round's chains in (the cache, the draft on demand, a fast backup)
         rnd = self._propose_sd(running, ks, narrow) if sd else self._propose(running, ks, plan, fanout, cores)
-        narrow = narrow and not rnd.cold  # a round of first rounds times nothing
         calibration = self.chooser.calibrate(self.runner, running, rnd.cold, cores, plan)
         # 2. the chains to the draft side, which builds the next cache from them (a worker: during step 3)
         told = rnd.reply is not None and self.draft.build(running, rnd.chains, ks, plan.is_ssd, fanout.fanout)
@@ -160,12 +161,15 @@ class SSDDecode(DecodeStrategy):
         return DraftModelSpeculator(self.draft.draft_model, self.draft.num_slots, self.draft.max_model_len,
                                     stop_prob=self.config.stop_prob)
 
+    def _sd_first(self, running: list[Sequence]) -> list[bool]:
+        """Per sequence, whether this is its first SD round here (every one before the speculator's takeup)."""
+        return [self.sd is None or self.draft.is_first_round(s) for s in running]
+
     def _propose_sd(self, running: list[Sequence], ks: list[int], whole: bool = False) -> Chains:
         """An SD round's chains from the in-process speculator, verified against its batch law (`whole`:
         each ks[i] long, no early stop). The round that takes the speculator up holds its prefill of the
         live sequences: a one-off, timed as a first round."""
-        fresh = self.sd is None
-        rnd = Chains.empty([fresh or self.draft.is_first_round(s) for s in running])
+        rnd = Chains.empty(self._sd_first(running))
         sd = self._speculator()
         t0 = time.perf_counter()
         prop = sd.propose(running, ks, early_stop=not whole)
@@ -224,7 +228,7 @@ class SSDDecode(DecodeStrategy):
             proposed=[len(c) for c in rnd.chains], accepted=outcome.accepted, rejected=outcome.rejected,
             emitted=outcome.emitted, draft_seconds=draft_seconds, verify_seconds=verify_seconds,
         )
-        self.chooser.count_round(plan, rnd.cold)
+        self.chooser.count_round(plan, rnd.cold, len(ks), narrow)
         self.telemetry.observe(plan, fanout, rnd, ks, outcome, verify_seconds, narrow)
 
     # ------------------------------------------------------------------ lifecycle

@@ -55,13 +55,13 @@ class RoundTelemetry:
         # every sequence) times nothing either: its wait is that one-off catch-up, not a cache's
         unwarm = plan.is_ssd and not any(rnd.warm)
         timed = (lambda name, seconds, batch: None) if rnd.cold or unwarm else est.observe_time
-        if narrow:  # an SD round verified on the target's own core (Chooser.narrow_verify): that time only
-            timed("verify_narrow", verify_seconds, b)
+        if narrow:  # an SD round verified on the target's own core (Chooser.narrow_verify): that time only,
+            timed("verify_narrow", verify_seconds, b)  # its whole chains are not SD's lengths, nor its core
             timed = (lambda name, seconds, batch: None)
-        # an AR round is a one-token step: AR's time, not a K+1-token verify's; a plain speculation
-        # round's verify has no cache build beside it (and on a CPU may have the worker's core too)
-        timed("decode" if plan is Plan.AR else "verify" if plan.is_ssd else "plain_verify", verify_seconds, b)
-        self._observe_acceptance(rnd, outcome)
+        else:  # an AR round is a one-token step: AR's time, not a K+1-token verify's; a plain speculation
+            # round's verify has no cache build beside it (and on a CPU may have the worker's core too)
+            timed("decode" if plan is Plan.AR else "verify" if plan.is_ssd else "plain_verify", verify_seconds, b)
+            self._observe_acceptance(rnd, outcome)
         asked = [i for i in range(b) if ks[i] > 0]
         warm = [i for i in asked if rnd.warm[i]]
         hits = [i for i in asked if rnd.paths[i] == "hit"]
@@ -75,7 +75,8 @@ class RoundTelemetry:
             self.planner.observe_cache([rnd.cached[i] for i in warm], [rnd.paths[i] == "hit" for i in warm])
         state = {"fanout": list(fanout.fanout), "a_estimate": fanout.a, "r_estimate": fanout.r,
                  "predicted_miss_rate": fanout.predicted_miss_rate}
-        state.update(self._observe_draft_times(plan, rnd, asked, verify_seconds, timed))
+        if not narrow:
+            state.update(self._observe_draft_times(plan, rnd, asked, verify_seconds, timed))
         self._prev_verify, self._prev_batch = verify_seconds, b
         self._prev_budget = fanout.budget if plan.is_ssd else 0
         state["strategy"] = plan.label
