@@ -778,6 +778,32 @@ def test_an_sd_round_that_times_the_caps_verify_is_not_one_of_sds_exploring_roun
     assert not fixed.narrow_verify(1, cores=object())  # the rule fixed: nothing to decide
 
 
+def test_the_caps_v_is_one_moments_ratio_so_a_slower_host_later_does_not_let_ssd_in():
+    """v = (SD's verify when the one-core verify was timed) / (that one-core verify): when the host
+    slows down afterwards (or a later engine starts from the rule's cache on a busier machine), SD's
+    live verify slows and the cap with it. Here v = 0.025 / 0.04 = 0.625; SD's verify then runs at
+    0.0375 s (1.5x): SD 2.176 / 0.0475 = 45.8 tok/s, AR 50 the best; the cap b * E * v / t_verify(SD) =
+    2.176 * 0.625 / 0.0375 = 36.3, below it (SSD stays out). With v from the live verify instead
+    (0.0375 / 0.04) the cap would be 2.176 / 0.04 = 54.4, above AR: SSD would be tried."""
+    chooser, config = _fresh_chooser()
+    est = chooser.estimates
+    chooser.choose(1)
+    est.observe_time("decode", 0.02, 1)
+    for _ in range(3):
+        est.observe_time("plain_verify", 0.025, 1)
+        est.observe_time("plain_draft", 0.01, 1)
+    est.observe_time("verify_narrow", 0.04, 1)
+    assert est.seconds("narrow_ref", 1) == pytest.approx(0.025)
+    for _ in range(10):  # the host slows: SD's median verify follows
+        est.observe_time("plain_verify", 0.0375, 1)
+    inputs = est.inputs(1)
+    scores = {"ar": 50.0, "sd": 2.176 / 0.0475}
+    assert chooser._ssd_cap(1, inputs, v=None) == pytest.approx(36.3, abs=0.2)
+    assert chooser._excluded(1, inputs, {**scores, "ssd+neural": 60.0}) == {"ssd+neural"}
+    plans = {chooser.choose(1) for _ in range(3 * config.decide_after + 8)}
+    assert not any(p.is_ssd for p in plans)
+
+
 @pytest.mark.parametrize("restored", [False, True])
 def test_an_engine_from_kept_choices_retimes_ar_once_then_every_calibrate_every(restored):
     """The rule deciding, AR's step is timed in the first speculating round that can be timed, again

@@ -206,7 +206,7 @@ class Chooser:
         emits at most a full K-token draft chain's tokens E(a, K) per sequence (every verdict a hit, the
         cache build hidden, no transfer); beside a worker on a CPU its verify runs on fewer cores, at
         least SD's verify (timed here; else its lower bound from the next larger bucket, `scaled_down`, or
-        an AR step) / v, v = (SD's verify, on every core) / (a forward of the verify's shape on the
+        an AR step) / v, v = (SD's verify, on every core, as it was then) / (the verify's shape on the
         target's own core; else the same ratio of AR steps; 1 while neither was timed). So SSD
         <= b * E(a, K) * v / t_verify(SD), which is SD's rate times v * (1 + T_SD) * E(a, K) / E_SD
         (docs/THEORY.md, Corollary 9 on different hardware). Empty until AR or SD was timed here."""
@@ -233,7 +233,8 @@ class Chooser:
         if v is None:
             v = 1.0
             if est.measured("verify_narrow", bucket) and est.measured("plain_verify", bucket):
-                v = min(1.0, verify / est.seconds("verify_narrow", b))  # the verify's own shape on one core
+                ref = est.seconds("narrow_ref", b) if est.measured("narrow_ref", bucket) else verify  # (then)
+                v = min(1.0, ref / est.seconds("verify_narrow", b))  # the verify's own shape on one core
             elif est.measured("decode_narrow", bucket) and est.measured("decode", bucket):
                 v = min(1.0, est.seconds("decode", b) / est.seconds("decode_narrow", b))
         return b * expected_tokens_per_round(est.accept_rate("draft"), inputs.k) * v / verify

@@ -182,13 +182,16 @@ class LiveEstimates:
     # a cache build to finish, nor the transfer): what SD's drafting costs where it runs in process
     # "verify_narrow": a forward of K+1 tokens per sequence on the target's own core (the SSD verify's
     # shape beside the worker, timed before any SSD round: ssd/chooser.py's cap on SSD)
-    UNPRIORED = (*PLAIN, "decode_narrow", "drafting", "verify_narrow")
+    # "narrow_ref": SD's verify estimate when "verify_narrow" was timed, so that their ratio (the cap's v)
+    # is one moment's: a host slower later (or in a later engine, from the rule's cache) slows SD's live
+    # verify, and a cap from the old one-core time alone would then let SSD look worth trying
+    UNPRIORED = (*PLAIN, "decode_narrow", "drafting", "verify_narrow", "narrow_ref")
     # medians (`_RecentMedian`): AR's step (rare calibrations, a cold first forward among them) and plain
     # speculation's times, so that the two plans a CPU's rule weighs against each other are read alike (a
     # host hiccup in one SD round raised SD's mean, never AR's median, and tipped near ties to AR,
     # bench/RESULTS.md, "Plain speculation's times as medians"); SSD's times stay means: their spread is the
     # plan's own (a cache build beside the verify)
-    MEDIANS = ("decode", "decode_narrow", "verify_narrow", "plain_verify", "plain_draft")
+    MEDIANS = ("decode", "decode_narrow", "verify_narrow", "plain_verify", "plain_draft", "narrow_ref")
 
     def __init__(self, config: EstimatesConfig):
         self.config = config
@@ -237,6 +240,8 @@ class LiveEstimates:
         if not isinstance(batch, int) or batch < 1:
             raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
         self._times[name].add(batch, seconds)
+        if name == "verify_narrow" and self.measured("plain_verify", batch.bit_length()):
+            self._times["narrow_ref"].add(batch, self.seconds("plain_verify", batch))
 
     @property
     def p_hit(self) -> float:
