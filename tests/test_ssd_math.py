@@ -718,6 +718,7 @@ def test_chooser_measures_ar_then_sd_then_ssd_unless_corollary_9_caps_it_below_t
     est = chooser.estimates
     assert chooser.choose(1) is Plan.AR  # nothing timed yet
     est.observe_time("decode", 0.02, 1)
+    chooser.count_round(Plan.AR, cold=False)  # (the round's own count: AR's step was timed)
     if v is not None and shape == "decode":
         est.observe_time("decode_narrow", 0.02 / v, 1)
     if v is not None and shape == "verify":
@@ -841,6 +842,45 @@ def test_an_engine_from_kept_choices_retimes_ar_once_then_every_calibrate_every(
     else:
         second = 1 + FIRST_CALIBRATION_GAP + 1
         assert timed_at == [1, second, second + CALIBRATE_EVERY + 1]
+
+
+def test_a_due_calibration_in_a_plain_speculation_plan_is_an_ar_round_not_a_forward_apart():
+    """Where the rule runs SD (timed there), AR's due re-timing is one AR round (it emits the batch's
+    tokens) instead of a forward that `calibrate` makes and undoes: an engine from kept choices runs one
+    at its start (nothing calibrated yet), then one every CALIBRATE_EVERY rounds; no forward apart.
+    AR (25 tok/s) is too far below SD (62.2) to be probed; SSD's cap (v = 0.625: 54.4) keeps it out."""
+    from types import SimpleNamespace
+
+    from rollout_ssd.ssd.chooser import CALIBRATE_EVERY, Plan
+
+    forwards = []
+
+    class Runner:
+        device, max_len = "cpu", 50
+
+        def extend(self, slots, rows, last_only):
+            forwards.append(len(slots))
+
+        def rollback(self, slot, n):
+            pass
+
+    chooser, _ = _fresh_chooser()
+    est = chooser.estimates
+    est.observe_time("decode", 0.04, 1)
+    for _ in range(3):
+        est.observe_time("plain_verify", 0.025, 1)
+        est.observe_time("plain_draft", 0.01, 1)
+    est.observe_time("verify_narrow", 0.04, 1)
+    chooser.restore_choices({1: Plan.SD})
+    running = [SimpleNamespace(slot=0, last_token=7, num_tokens=10)]
+    plans = []
+    for _ in range(CALIBRATE_EVERY + 4):
+        plan = chooser.choose(1)
+        chooser.calibrate(Runner(), running, cold=False, plan=plan)
+        chooser.count_round(plan, cold=False, batch=1)
+        plans.append(plan)
+    assert [i for i, p in enumerate(plans) if p is Plan.AR] == [0, CALIBRATE_EVERY + 1]
+    assert set(plans) == {Plan.AR, Plan.SD} and not forwards
 
 
 def test_beside_a_worker_one_verify_shaped_step_is_timed_per_bucket_where_it_could_change_the_cap():

@@ -21,7 +21,6 @@ import math
 from collections.abc import Mapping
 from typing import Optional
 
-from rollout_ssd.gpu.timing import DeviceTimer
 from rollout_ssd.metrics import EngineMetrics
 from rollout_ssd.runner import ModelRunner
 from rollout_ssd.sequence import Sequence
@@ -31,6 +30,7 @@ from rollout_ssd.ssd.cores import TargetCores
 from rollout_ssd.ssd.estimates import LiveEstimates
 from rollout_ssd.ssd.plans import Plan, batch_bucket, candidate_plans
 from rollout_ssd.ssd.rule import StrategyConfig, StrategyInputs, StrategyRule, expected_tokens_per_round
+from rollout_ssd.ssd.timed_forward import timed_forward
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,9 @@ class Chooser:
         log.debug("SSD strategy %s: inputs %s", chosen.label, inputs)
         self.current, self.decided, self._choices[bucket] = chosen, True, chosen
         ran = self._probe(bucket, chosen, scores, excluded)
+        if ran is chosen and ran in (Plan.SD, Plan.SUFFIX) and self._times_timed("sd", bucket) \
+                and self._calibration_due(bucket):
+            ran = Plan.AR  # AR's due re-timing as an AR round, which emits its tokens (`calibrate`)
         self._publish(ran, inputs, scores, decision.b_star)
         return ran
 
@@ -311,9 +314,9 @@ class Chooser:
         if narrow:
             key = (batch_bucket(batch), plan.label)
             self._tries[key] = max(0, self._tries.get(key, 0) - 1)
-        if plan is Plan.AR:
+        if plan is Plan.AR and not cold:
             self._calibrations, self._rounds_since_calibration = self._calibrations + 1, 0
-        else:
+        elif plan is not Plan.AR:
             self._measured_rounds += not cold
 
     def calibrate(self, runner: ModelRunner, running: list[Sequence], cold: bool,
@@ -337,11 +340,7 @@ class Chooser:
                 return shape
         else:
             shape = 0.0
-        # rule deciding: AR's rounds measured it first (`_explore`); from kept choices, no second warm-up
-        warmup = self.config.decide_after if self.rule.config.fixed is not None else 1
-        second = self._calibrations == warmup and bucket not in self._restored
-        gap = 0 if self._calibrations < warmup else FIRST_CALIBRATION_GAP if second else CALIBRATE_EVERY
-        if self._calibrations and self._rounds_since_calibration < gap:
+        if not self._calibration_due(bucket):
             self._rounds_since_calibration += 1
             return shape
         seconds, was_wide = shape, cores is None or cores.is_wide
@@ -354,6 +353,14 @@ class Chooser:
             cores.narrow()
         self._calibrations, self._rounds_since_calibration = self._calibrations + 1, 0
         return seconds
+
+    def _calibration_due(self, bucket: int) -> bool:
+        """Whether AR's step is due for a re-timing (`calibrate`). Rule deciding: AR's rounds measured it
+        first (`_explore`); from kept choices, no second warm-up at their buckets."""
+        warmup = self.config.decide_after if self.rule.config.fixed is not None else 1
+        second = self._calibrations == warmup and bucket not in self._restored
+        gap = 0 if self._calibrations < warmup else FIRST_CALIBRATION_GAP if second else CALIBRATE_EVERY
+        return not self._calibrations or self._rounds_since_calibration >= gap
 
     def narrow_verify(self, batch: int, cores: Optional[TargetCores]) -> bool:
         """Whether this SD round (the rule deciding) verifies on the target's own core as the cap's
@@ -385,14 +392,7 @@ class Chooser:
         return seconds
 
     def _time_step(self, runner: ModelRunner, running: list[Sequence], name: str, tokens: int = 1) -> float:
-        """One forward of `tokens` tokens per sequence (1: an AR decode step; K+1: a verify's shape, every
-        row's logits), timed as `name` (device time on a GPU), then undone."""
-        # within each sequence's room in the cache, as its verify's chain would be (ssd/round.chain_lengths)
-        rows = [[s.last_token] * max(1, min(tokens, runner.max_len - (s.num_tokens - 1))) for s in running]
-        timer = DeviceTimer(runner.device).start()
-        runner.extend([s.slot for s in running], rows, last_only=tokens == 1)
-        seconds = timer.stop()
+        """`timed_forward`, its seconds observed as time `name`."""
+        seconds = timed_forward(runner, running, tokens)
         self.estimates.observe_time(name, seconds, len(running))
-        for seq in running:
-            runner.rollback(seq.slot, seq.num_tokens - 1)
         return seconds
