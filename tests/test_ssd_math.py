@@ -803,6 +803,18 @@ def test_the_caps_v_is_one_moments_ratio_so_a_slower_host_later_does_not_let_ssd
     assert chooser._excluded(1, inputs, {**scores, "ssd+neural": 60.0}) == {"ssd+neural"}
     plans = {chooser.choose(1) for _ in range(3 * config.decide_after + 8)}
     assert not any(p.is_ssd for p in plans)
+    # SD's verify kept from an earlier engine (the rule's cache) is not this moment's: no reference
+    # until this engine timed SD's verify itself
+    later = LiveEstimates(EstimatesConfig(k=3))
+    later.restore(est.snapshot())
+    assert later.measured("plain_verify", 1) and later.measured("narrow_ref", 1)
+    fresh = LiveEstimates(EstimatesConfig(k=3))
+    fresh.restore({**est.snapshot(), "times": {"plain_verify": {"1": [0.025, 3]}}})
+    fresh.observe_time("verify_narrow", 0.04, 1)
+    assert not fresh.measured("narrow_ref", 1)
+    fresh.observe_time("plain_verify", 0.03, 1)
+    fresh.observe_time("verify_narrow", 0.04, 1)
+    assert fresh.measured("narrow_ref", 1)
 
 
 @pytest.mark.parametrize("restored", [False, True])

@@ -123,12 +123,18 @@ class _BatchTimes:
         self.make = make
         self.by_batch: dict[int, object] = {}
         self.counts: dict[int, int] = {}
+        self.seeded: dict[int, int] = {}  # batch -> counts from `seed`
 
     def seed(self, batch: int, seconds: float, count: int) -> None:
         """A measurement kept from an earlier engine (ssd/rule_cache.py): one value standing for
         `count` (at most OWN_AFTER) measurements, which the next ones outweigh as they come."""
         self.by_batch[batch], self.counts[batch] = self.make(), min(count, self.OWN_AFTER)
         self.by_batch[batch].add(seconds)
+        self.seeded[batch] = self.counts[batch]
+
+    def live(self, bucket: int) -> bool:
+        """Whether this engine measured it at a batch size of `bucket` (not only an earlier one's kept value)."""
+        return any(n > self.seeded.get(b, 0) for b, n in self.counts.items() if b.bit_length() == bucket)
 
     def add(self, batch: int, seconds: float) -> None:
         if batch not in self.by_batch:
@@ -240,7 +246,7 @@ class LiveEstimates:
         if not isinstance(batch, int) or batch < 1:
             raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
         self._times[name].add(batch, seconds)
-        if name == "verify_narrow" and self.measured("plain_verify", batch.bit_length()):
+        if name == "verify_narrow" and self._times["plain_verify"].live(batch.bit_length()):  # (this moment's)
             self._times["narrow_ref"].add(batch, self.seconds("plain_verify", batch))
 
     @property

@@ -1,5 +1,6 @@
-"""One forward of a batch, timed and then undone: how the SSD chooser measures a step it does not run
-as a round (AR's re-timing beside an SSD plan, the cap's one-core verify shape; ssd/chooser.py)."""
+"""One forward of a batch, timed and then undone: how the SSD chooser measures a step that no round of
+the plan running measures (AR's re-timing where it is not an AR round, the cap's one-core time where no
+SD round verifies on that core; ssd/chooser.py)."""
 
 from __future__ import annotations
 
