@@ -694,6 +694,21 @@ def test_chooser_probes_a_close_runner_up_now_and_then_and_keeps_its_choice(sd_d
     assert [chooser.choose(4) for _ in range(PROBE_EVERY - 1)] == [Plan.AR] * (PROBE_EVERY - 1)  # its own count
 
 
+class _CountingRunner:
+    """A ModelRunner stand-in for `Chooser.calibrate`: records each forward's batch size, undoes nothing."""
+
+    device, max_len = "cpu", 50
+
+    def __init__(self):
+        self.forwards: list[int] = []
+
+    def extend(self, slots, rows, last_only):
+        self.forwards.append(len(slots))
+
+    def rollback(self, slot, n):
+        pass
+
+
 def _fresh_chooser(k: int = 3):
     from rollout_ssd.metrics import EngineMetrics
     from rollout_ssd.ssd.chooser import Chooser
@@ -822,31 +837,21 @@ def test_an_engine_from_kept_choices_retimes_ar_once_then_every_calibrate_every(
     """The rule deciding, AR's step is timed in the first speculating round that can be timed, again
     FIRST_CALIBRATION_GAP rounds later (a second warm-up sample for the median), then every
     CALIBRATE_EVERY; an engine that started from kept choices (the rule's cache) skips the second
-    warm-up: its median holds the earlier runs' times already."""
+    warm-up at those buckets: its median holds the earlier runs' kept value."""
     from types import SimpleNamespace
 
     from rollout_ssd.ssd.chooser import CALIBRATE_EVERY, FIRST_CALIBRATION_GAP, Plan
 
-    steps = []
-
-    class Runner:
-        device, max_len = "cpu", 50
-
-        def extend(self, slots, rows, last_only):
-            steps.append(len(slots))
-
-        def rollback(self, slot, n):
-            pass
-
+    runner = _CountingRunner()
     chooser, _ = _fresh_chooser()
     if restored:
         chooser.restore_choices({1: Plan.SD})
     running = [SimpleNamespace(slot=0, last_token=7, num_tokens=10)]
     timed_at = []
     for i in range(FIRST_CALIBRATION_GAP + CALIBRATE_EVERY + 4):
-        before = len(steps)
-        chooser.calibrate(Runner(), running, cold=i == 0, plan=Plan.SD)
-        if len(steps) > before:
+        before = len(runner.forwards)
+        chooser.calibrate(runner, running, cold=i == 0, plan=Plan.SD)
+        if len(runner.forwards) > before:
             timed_at.append(i)
     # round 0 is cold; a gap of n rounds puts the next timing n + 1 rounds after the last
     if restored:
@@ -865,17 +870,7 @@ def test_a_due_calibration_in_a_plain_speculation_plan_is_an_ar_round_not_a_forw
 
     from rollout_ssd.ssd.chooser import CALIBRATE_EVERY, Plan
 
-    forwards = []
-
-    class Runner:
-        device, max_len = "cpu", 50
-
-        def extend(self, slots, rows, last_only):
-            forwards.append(len(slots))
-
-        def rollback(self, slot, n):
-            pass
-
+    runner = _CountingRunner()
     chooser, _ = _fresh_chooser()
     est = chooser.estimates
     est.observe_time("decode", 0.04, 1)
@@ -888,11 +883,11 @@ def test_a_due_calibration_in_a_plain_speculation_plan_is_an_ar_round_not_a_forw
     plans = []
     for _ in range(CALIBRATE_EVERY + 4):
         plan = chooser.choose(1)
-        chooser.calibrate(Runner(), running, cold=False, plan=plan)
+        chooser.calibrate(runner, running, cold=False, plan=plan)
         chooser.count_round(plan, cold=False, batch=1)
         plans.append(plan)
     assert [i for i, p in enumerate(plans) if p is Plan.AR] == [0, CALIBRATE_EVERY + 1]
-    assert set(plans) == {Plan.AR, Plan.SD} and not forwards
+    assert set(plans) == {Plan.AR, Plan.SD} and not runner.forwards
 
 
 def test_beside_a_worker_one_verify_shaped_step_is_timed_per_bucket_where_it_could_change_the_cap():
