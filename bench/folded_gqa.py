@@ -1,12 +1,14 @@
 """Folded GQA: SDPA over each kv head's query heads folded into one block, against SDPA with `enable_gqa`.
 
-Two parts, one process, the two forms taking turns so that machine noise hits them alike:
+A probe, not the engine's path (bench/RESULTS.md, "Folded GQA": not adopted). Two parts, one process,
+the two forms taking turns so that machine noise hits them alike:
   - attention: one layer's attention call (SmolLM2-135M's 9 query heads over 3 kv heads, head dim 64,
     float32, a visibility mask of ragged lengths) at batch, key length and queries per row, microseconds;
   - grpo: a GRPO step's rollouts (6 prompts x n=4, T=1, EOS on, up to 160 new tokens, `fresh_engines.py`'s
-    workload) on one AR engine with `attention.FOLDED_GQA_MIN_BATCH` set out of reach ("enable_gqa") and as
-    shipped ("folded"), tok/s. The sampled rollouts differ between the forms only where float32 rounding
-    moves a draw (the sums are the same, blocked otherwise), so token counts stay close.
+    workload) on one AR engine as it is ("enable_gqa") and with `SDPABackend` patched to take the folded
+    form for float32 calls of 2+ sequences and up to 16 queries ("folded"), tok/s. The sampled rollouts
+    differ between the forms where float32 rounding moves a draw (the sums are the same, blocked
+    otherwise), so token counts differ a little.
 Table and a JSON last line.
 
     .venv/bin/python bench/folded_gqa.py
@@ -26,7 +28,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from rollout_ssd import RolloutEngine, SamplingParams, SpecConfig  # noqa: E402
-from rollout_ssd.models import attention  # noqa: E402
+from rollout_ssd.models.attention import SDPABackend  # noqa: E402
 from rollout_ssd.models.cpu_backend import cpu_kind  # noqa: E402
 
 SHAPES = ((1, 150, 1), (2, 150, 1), (4, 150, 1), (8, 150, 1), (16, 200, 1), (24, 100, 1), (24, 200, 1),
@@ -46,8 +48,32 @@ def _gqa(q, k, v, mask):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True)
 
 
+def folded_gqa_attention(q, k, v, mask, scale):
+    """SDPA with query head h on kv head h // g, as `enable_gqa` has it, over the g query heads of each kv
+    head folded into one [g * T] block: q [B, Hq, T, D], k, v [B, Hkv, L, D], mask [B, 1, T, L] bool."""
+    b, hq, t, d = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    g = hq // hkv
+    if mask is not None and t > 1:  # each query position's row, once per head of its group
+        mask = mask[:, :, None].expand(b, 1, g, t, length).reshape(b, 1, g * t, length)
+    out = F.scaled_dot_product_attention(q.reshape(b, hkv, g * t, d), k, v, attn_mask=mask, scale=scale)
+    return out.reshape(b, hq, t, d)
+
+
 def _folded(q, k, v, mask):
-    return attention.folded_gqa_attention(q, k, v, mask, 0.125)
+    return folded_gqa_attention(q, k, v, mask, 0.125)
+
+
+def _folded_call(self, q, k_cache, v_cache, prepared, scale):
+    """`SDPABackend.__call__` taking the folded form for float32 calls of 2+ sequences, up to 16 queries."""
+    k, v = prepared.read(k_cache), prepared.read(v_cache)
+    if q.dtype == torch.float32 and q.shape[0] >= 2 and q.shape[1] != k.shape[1] and q.shape[2] <= 16 \
+            and (prepared.mask is not None or q.shape[2] == 1):
+        return folded_gqa_attention(q, k, v, prepared.mask, scale)
+    return _SHIPPED_CALL(self, q, k_cache, v_cache, prepared, scale)
+
+
+_SHIPPED_CALL = SDPABackend.__call__
 
 
 def attention_rows(calls: int) -> list[dict]:
@@ -68,7 +94,6 @@ def attention_rows(calls: int) -> list[dict]:
 
 def grpo_rows(repeats: int) -> list[dict]:
     engine = RolloutEngine.from_pretrained(spec=SpecConfig(method="ar"))
-    shipped = attention.FOLDED_GQA_MIN_BATCH
     totals = {form: [0, 0.0] for form in ("enable_gqa", "folded")}
     with engine:
         prompts = bench_prompts(engine.target.tokenizer, "templates", 6)
@@ -76,14 +101,14 @@ def grpo_rows(repeats: int) -> list[dict]:
         engine.sample(prompts[:1], SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=1))  # warm-up
         for _ in range(repeats):
             for form in totals:
-                attention.FOLDED_GQA_MIN_BATCH = shipped if form == "folded" else 1 << 30
+                SDPABackend.__call__ = _folded_call if form == "folded" else _SHIPPED_CALL
                 try:
                     t0 = time.perf_counter()
                     tokens = sum(len(r.token_ids) for r in engine.sample(prompts, params))
                     totals[form][1] += time.perf_counter() - t0
                     totals[form][0] += tokens
                 finally:
-                    attention.FOLDED_GQA_MIN_BATCH = shipped
+                    SDPABackend.__call__ = _SHIPPED_CALL
     base = totals["enable_gqa"][0] / totals["enable_gqa"][1]
     return [{"form": form, "tokens": n, "seconds": s, "tok/s": n / s, "x enable_gqa": n / s / base}
             for form, (n, s) in totals.items()]

@@ -151,36 +151,3 @@ def test_explicit_attention_is_gqa_masked_attention_within_its_output_rounding(d
         q.double(), k.double().repeat_interleave(3, 1), v.double().repeat_interleave(3, 1), scale=0.125)
     assert ((unmasked - ref_all).abs() <= half_ulp * ref_all.abs() * (1 + 1e-3) + 1e-5 * ref_all.abs().max()).all()
     assert not explicit_attention_applies(q.float()) and not explicit_attention_applies(torch.zeros(1, 9, 17, 64, dtype=dtype))
-
-
-@pytest.mark.parametrize("b,t,length", [(2, 1, 37), (4, 1, 200), (24, 1, 150), (3, 5, 64), (8, 16, 50)])
-def test_folded_gqa_attention_is_gqa_masked_attention_within_float32_rounding(b, t, length):
-    """attention.folded_gqa_attention (query heads folded onto their kv head, float32 CPU, 2+ sequences)
-    against float64 SDPA with the same mask and GQA grouping (head h on kv head h // 3). Bound, from the
-    case and not from this CPU's kernels: float32's unit roundoff u = 2^-24 times (D |q| |k| scale, the
-    scores' dot products of D = 64 terms, plus L + 2, the weighted sum of L values), times max |v|; a
-    head on the wrong kv head would be off by O(1)."""
-    from rollout_ssd.models.attention import folded_gqa_applies, folded_gqa_attention
-
-    g = torch.Generator().manual_seed(b * 1000 + t * 10 + length)
-    q = torch.randn(b, 9, t, 64, generator=g)
-    k = torch.randn(b, 3, length, 64, generator=g)
-    v = torch.randn(b, 3, length, 64, generator=g)
-    mask = torch.rand(b, 1, t, length, generator=g) > 0.3
-    mask[..., 0] = True  # every query sees a key
-    assert folded_gqa_applies(q, k, mask)
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        q.double(), k.double().repeat_interleave(3, 1), v.double().repeat_interleave(3, 1), attn_mask=mask, scale=0.125)
-    u = 2.0 ** -24
-    scores = 64 * q.norm(dim=-1).max() * k.norm(dim=-1).max() * 0.125
-    bound = u * (scores + length + 2) * v.abs().max()
-    out = folded_gqa_attention(q, k, v, mask, 0.125)
-    assert out.shape == q.shape and out.dtype == torch.float32
-    assert float((out.double() - ref).abs().max()) <= float(bound)
-    if t == 1:  # no mask: every key
-        ref_all = torch.nn.functional.scaled_dot_product_attention(
-            q.double(), k.double().repeat_interleave(3, 1), v.double().repeat_interleave(3, 1), scale=0.125)
-        assert float((folded_gqa_attention(q, k, v, None, 0.125).double() - ref_all).abs().max()) <= float(bound)
-    assert not folded_gqa_applies(q[:1], k[:1], mask[:1])  # one sequence: SDPA's own GQA is faster
-    assert not folded_gqa_applies(q.bfloat16(), k.bfloat16(), mask) and not folded_gqa_applies(q, q, mask)
-    assert not folded_gqa_applies(torch.zeros(b, 9, 17, 64), k, None) and (t == 1 or not folded_gqa_applies(q, k, None))

@@ -145,34 +145,6 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     return out.view(b, hq, t, d).to(q.dtype)
 
 
-# A few queries per row over a float32 CPU cache at 4+ sequences: SDPA over the query heads folded onto
-# their kv head ([B, Hkv, g * T, D], no `enable_gqa`) ran at 0.66-0.82 of SDPA with `enable_gqa` at 4-24
-# sequences, and 1.3x it at one (bench/folded_gqa.py; bench/RESULTS.md, "Folded GQA").
-FOLDED_GQA_MIN_BATCH = 2
-
-
-def folded_gqa_applies(q: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor]) -> bool:
-    """Whether `folded_gqa_attention` serves this call: q [B, Hq, T, D] float32 on a CPU with B at least
-    FOLDED_GQA_MIN_BATCH, T small, grouped heads (Hq > Hkv), and a mask unless T = 1."""
-    b, hq, t, _ = q.shape
-    return (q.is_cpu and q.dtype == torch.float32 and b >= FOLDED_GQA_MIN_BATCH and hq != k.shape[1]
-            and t <= EXPLICIT_ATTENTION_MAX_QUERIES and (mask is not None or t == 1))
-
-
-def folded_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                         scale: float) -> torch.Tensor:
-    """SDPA with query head h on kv head h // (Hq / Hkv), as `enable_gqa` has it, computed over the g
-    query heads of each kv head folded into one [g * T] query block: q [B, Hq, T, D], k, v [B, Hkv, L, D],
-    mask [B, 1, T, L] bool (True = visible) or None (T = 1 only). The same sums, in another blocking."""
-    b, hq, t, d = q.shape
-    hkv, length = k.shape[1], k.shape[2]
-    g = hq // hkv
-    if mask is not None and t > 1:  # each query position's row, once per head of its group
-        mask = mask[:, :, None].expand(b, 1, g, t, length).reshape(b, 1, g * t, length)
-    out = F.scaled_dot_product_attention(q.reshape(b, hkv, g * t, d), k, v, attn_mask=mask, scale=scale)
-    return out.reshape(b, hq, t, d)
-
-
 class SDPABackend(AttentionBackend):
     def prepare(self, layout: KeyLayout) -> MaskedRead:
         mask = _visible_mask(layout)
@@ -185,8 +157,6 @@ class SDPABackend(AttentionBackend):
         k, v = prepared.read(k_cache), prepared.read(v_cache)
         if explicit_attention_applies(q):  # a few queries on a 16-bit CPU cache: the explicit form
             return explicit_attention(q, k, v, prepared.mask, scale)
-        if folded_gqa_applies(q, k, prepared.mask):
-            return folded_gqa_attention(q, k, v, prepared.mask, scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=prepared.mask, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
 
