@@ -826,10 +826,17 @@ def test_the_caps_v_is_one_moments_ratio_so_a_slower_host_later_does_not_let_ssd
     fresh = LiveEstimates(EstimatesConfig(k=3))
     fresh.restore({**est.snapshot(), "times": {"plain_verify": {"1": [0.025, 3]}}})
     fresh.observe_time("verify_narrow", 0.04, 1)
-    assert not fresh.measured("narrow_ref", 1)
+    assert not fresh.measured("narrow_ref", 1) and not fresh.live("plain_verify", 1)
     fresh.observe_time("plain_verify", 0.03, 1)
     fresh.observe_time("verify_narrow", 0.04, 1)
-    assert fresh.measured("narrow_ref", 1)
+    assert fresh.measured("narrow_ref", 1) and fresh.live("plain_verify", 1)
+    # so the chooser times the one-core verify only after an SD round of its own at the bucket
+    kept, _ = _fresh_chooser()
+    kept.estimates.restore({**est.snapshot(), "times": {"decode": {"1": [0.02, 3]}, "plain_verify": {"1": [0.025, 3]},
+                                                        "plain_draft": {"1": [0.01, 3]}}})
+    assert not kept.narrow_verify(1, cores=object())
+    kept.estimates.observe_time("plain_verify", 0.025, 1)
+    assert kept.narrow_verify(1, cores=object())
 
 
 @pytest.mark.parametrize("restored", [False, True])

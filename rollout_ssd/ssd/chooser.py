@@ -244,9 +244,9 @@ class Chooser:
 
     def _needs_verify_shape(self, bucket: int, batch: int) -> bool:
         """Whether `_excluded`'s v is worth timing at this bucket: SSD plans are untimed here and plain
-        speculation's verify was measured (the cap's denominator), yet the cap at v = 1 (v <= 1: what it
-        excludes every v excludes) does not exclude them."""
-        if not self.estimates.measured("plain_verify", bucket):
+        speculation's verify was measured by this engine (the cap's denominator, and "narrow_ref"), yet
+        the cap at v = 1 (v <= 1: what it excludes every v excludes) does not exclude them."""
+        if not self.estimates.live("plain_verify", bucket):
             return False
         inputs = self.estimates.inputs(batch)
         ssd, best = self._cap_question(bucket, rules.strategy_scores(inputs, self.rule.config.candidates))
@@ -308,9 +308,9 @@ class Chooser:
         return None
 
     def count_round(self, plan: Plan, cold: bool, batch: int = 1, narrow: bool = False) -> None:
-        """A round ran: an AR round measured AR's step (as a calibration does); a speculating round that
-        was timed (not `cold`) counts towards decide_after; a `narrow_verify` round timed no SD round,
-        so it gives back the try `_explore` counted."""
+        """A round ran: an AR round not `cold` measured AR's step (a calibration, `choose`'s swap among
+        them); a speculating round that was timed counts towards decide_after; a `narrow_verify` round
+        timed no SD round, so it gives back the try `_explore` counted."""
         if narrow:
             key = (batch_bucket(batch), plan.label)
             self._tries[key] = max(0, self._tries.get(key, 0) - 1)

@@ -246,7 +246,7 @@ class LiveEstimates:
         if not isinstance(batch, int) or batch < 1:
             raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
         self._times[name].add(batch, seconds)
-        if name == "verify_narrow" and self._times["plain_verify"].live(batch.bit_length()):  # (this moment's)
+        if name == "verify_narrow" and self.live("plain_verify", batch.bit_length()):  # (this moment's)
             self._times["narrow_ref"].add(batch, self.seconds("plain_verify", batch))
 
     @property
@@ -282,6 +282,10 @@ class LiveEstimates:
 
     def measured(self, name: str, bucket: int) -> bool:
         return self.times_measured(name, bucket) > 0
+
+    def live(self, name: str, bucket: int) -> bool:
+        """Measured at this bucket by this engine, not only kept from an earlier one (`restore`)."""
+        return self._times[name].live(bucket)
 
     def scaled_down(self, name: str, batch: int, bucket: int) -> float:
         """A lower bound on time `name` at `batch` sequences from its measurements at the batch sizes of a
