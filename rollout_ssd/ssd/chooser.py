@@ -383,8 +383,10 @@ class Chooser:
         shape (K+1 tokens per sequence; an AR step beyond VERIFY_SHAPE_MAX_ROWS rows) on the target's own
         core, "verify_narrow" / "decode_narrow" (`_excluded`'s v); an SD round's own verify times the
         first (`narrow_verify`). Returns the seconds spent."""
+        if plan is Plan.SD and len(running) * (self.config.k + 1) <= VERIFY_SHAPE_MAX_ROWS:
+            return 0.0  # the round's own verify, asked before it drafted (`narrow_verify`)
         name = self._verify_shape(len(running), cores)
-        if name is None or (name == "verify_narrow" and plan is Plan.SD):
+        if name is None:
             return 0.0
         cores.narrow()
         seconds = self._time_step(runner, running, name, tokens=self.config.k + 1 if name == "verify_narrow" else 1)

@@ -195,7 +195,7 @@ class LiveEstimates:
     # medians (`_RecentMedian`): AR's step (rare calibrations, a cold first forward among them) and plain
     # speculation's times, so that the two plans a CPU's rule weighs against each other are read alike (a
     # host hiccup in one SD round raised SD's mean, never AR's median, and tipped near ties to AR,
-    # bench/RESULTS.md, "Plain speculation's times as medians"); SSD's times stay means: their spread is the
+    # bench/RESULTS.md, "The SSD engine's own measuring"); SSD's times stay means: their spread is the
     # plan's own (a cache build beside the verify)
     MEDIANS = ("decode", "decode_narrow", "verify_narrow", "plain_verify", "plain_draft", "narrow_ref")
 

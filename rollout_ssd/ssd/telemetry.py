@@ -57,7 +57,6 @@ class RoundTelemetry:
         timed = (lambda name, seconds, batch: None) if rnd.cold or unwarm else est.observe_time
         if narrow:  # an SD round verified on the target's own core (Chooser.narrow_verify): that time only,
             timed("verify_narrow", verify_seconds, b)  # its whole chains are not SD's lengths, nor its core
-            timed = (lambda name, seconds, batch: None)
         else:  # an AR round is a one-token step: AR's time, not a K+1-token verify's; a plain speculation
             # round's verify has no cache build beside it (and on a CPU may have the worker's core too)
             timed("decode" if plan is Plan.AR else "verify" if plan.is_ssd else "plain_verify", verify_seconds, b)
