@@ -41,6 +41,12 @@ def parse_args(argv=None):
     p.add_argument("--chunk-prompts", type=int, default=96, help="prompts per sampling chunk (data is cached per chunk)")
     p.add_argument("--data-cache", default=None, help="torch file to reuse / extend the sampled data")
     p.add_argument("--first-prompt", type=int, default=0, help="index of the first training prompt to sample")
+    p.add_argument("--prompt-mix", choices=("templates", "varied"), default="templates",
+                   help="templates: build_prompts' training prompts; varied: draft.varied_prompts' kinds in "
+                        "turn with the training prompts of --original-range")
+    p.add_argument("--original-range", default="0:7900",
+                   help="A:B, the training prompts that --prompt-mix varied interleaves (B <= 7900 keeps "
+                        "the benches' unseen set, prompts 7900-7999 of 8000, out of the data)")
     p.add_argument("--extra-data", nargs="*", default=[], help="more data caches to train on (read only)")
     p.add_argument("--data-only", action="store_true", help="sample data into --data-cache and stop")
     p.add_argument("--init-from", default=None, help="warm-start from this draft checkpoint (keeps its head)")
@@ -113,7 +119,7 @@ def main(argv=None) -> int:
     if not args.data_only:  # a draft that could not be saved is refused before any data or training
         log.info("checkpoint: at most %d bytes (limit %s)", check_size_first(args, model), size_limit(args))
     split = prompts.build_prompts(args.num_prompts, args.heldout_prompts, args.seed)
-    train_ids = prompts.chat_prompt_ids(target.tokenizer, split.train)
+    train_ids = prompts.chat_prompt_ids(target.tokenizer, training_texts(args, split))
     heldout_ids = prompts.chat_prompt_ids(target.tokenizer, split.heldout)
 
     samples, data_s = sample_data(args, model, train_ids)
@@ -166,6 +172,23 @@ def main(argv=None) -> int:
     write_provenance(out / "PROVENANCE.md", *provenance, size, results)
     log.info("wrote %s (%d bytes)", out, size)
     return 0
+
+
+def training_texts(args, split) -> list[str]:
+    """The training prompts in sampling order: build_prompts' own, or (--prompt-mix varied) varied kinds in
+    turn with those of --original-range; a varied prompt equal to a held-out one is refused."""
+    if args.prompt_mix == "templates":
+        return split.train
+    from rollout_ssd.draft import varied_prompts
+
+    start, stop = (int(v) for v in args.original_range.split(":"))
+    originals = split.train[start:stop]
+    varied = varied_prompts.build_varied_prompts(len(originals), args.seed)
+    clash = set(varied) & set(split.heldout)
+    if clash:
+        raise ValueError(f"varied prompts equal to held-out ones: {sorted(clash)[:3]}")
+    log.info("prompt mix: %d varied prompts in turn with training prompts %d:%d", len(varied), start, stop)
+    return varied_prompts.interleave(varied, originals)
 
 
 def size_limit(args):

@@ -39,6 +39,60 @@ def test_build_prompts_splits_by_template():
     assert split == prompts.build_prompts(200, 40, seed=0)
 
 
+def test_varied_prompts_stay_apart_from_every_held_out_set():
+    """The varied kinds add forms the draft trains on; they must never be a held-out prompt (the recipe's
+    held-out templates), an unseen-set prompt (training prompts 7900-7999 of 8000), nor reuse a held-out
+    template's wording, so both held-out acceptances still measure prompts the draft never saw."""
+    import string
+
+    from rollout_ssd.draft import varied_prompts
+
+    varied = varied_prompts.build_varied_prompts(3000, seed=0)
+    assert len(varied) == 3000 == len(set(varied))
+    assert varied == varied_prompts.build_varied_prompts(3000, seed=0)
+    split = prompts.build_prompts(8000, 32, seed=0)
+    assert not set(varied) & (set(split.heldout) | set(split.train))
+    for kind_templates in prompts._TEMPLATES.values():  # each kind's held-out template: its fixed wording
+        pieces = [lit.strip() for lit, *_ in string.Formatter().parse(kind_templates[-1]) if len(lit.strip()) > 12]
+        assert pieces
+        for piece in pieces:
+            assert not any(piece in v for v in varied), piece
+    kinds = {k: 0 for k in varied_prompts._TEMPLATES}
+    for text in varied[:len(kinds) * 20]:
+        for kind, templates in varied_prompts._TEMPLATES.items():
+            kinds[kind] += any(_matches(t, text) for t in templates)
+    assert all(kinds.values()), kinds  # every kind is in the rotation
+
+
+def _matches(template: str, text: str) -> bool:
+    import re
+    import string
+
+    pattern = "".join(re.escape(lit) + (".+?" if field is not None else "")
+                      for lit, field, _, _ in string.Formatter().parse(template))
+    return re.fullmatch(pattern, text, flags=re.S) is not None
+
+
+def test_varied_prompts_interleave_in_turn():
+    from rollout_ssd.draft.varied_prompts import interleave
+
+    assert interleave(["a", "b", "c"], ["1"]) == ["a", "1", "b", "c"]
+    assert interleave([], ["1", "2"]) == ["1", "2"]
+    assert interleave(["a", "b"], ["1", "2"]) == ["a", "1", "b", "2"]
+
+
+def test_recipe_prompt_mix(monkeypatch):
+    """--prompt-mix varied takes its originals from --original-range, in turn with varied prompts; the
+    default keeps build_prompts' training prompts as they were."""
+    import recipes.distill_draft as recipe
+
+    split = prompts.build_prompts(300, 8, seed=0)
+    args = recipe.parse_args(["--out", "x", "--prompt-mix", "varied", "--original-range", "100:150"])
+    texts = recipe.training_texts(args, split)
+    assert len(texts) == 100 and texts[1::2] == split.train[100:150]
+    assert recipe.training_texts(recipe.parse_args(["--out", "x"]), split) == split.train
+
+
 def test_teacher_records_match_a_separate_teacher_pass(tiny_target, tiny_data):
     """The top-k recorded while sampling equals the top-k of a forward over prompt + completion."""
     sample = tiny_data[0]
