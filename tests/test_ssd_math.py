@@ -896,6 +896,17 @@ def test_a_due_calibration_in_a_plain_speculation_plan_is_an_ar_round_not_a_forw
     assert [i for i, p in enumerate(plans) if p is Plan.AR] == [0, CALIBRATE_EVERY + 1]
     assert set(plans) == {Plan.AR, Plan.SD} and not runner.forwards
 
+    # a round of first rounds (a call's cold start) times nothing: the re-timing waits for the next
+    # round instead of running an AR round that measures nothing, then a second one that does
+    warm, _ = _fresh_chooser()
+    warm.estimates.restore(est.snapshot())
+    warm.restore_choices({1: Plan.SD})
+    first = warm.choose(1, cold=True)
+    warm.calibrate(runner, running, cold=True, plan=first)
+    warm.count_round(first, cold=True, batch=1)
+    second = warm.choose(1)
+    assert (first, second) == (Plan.SD, Plan.AR)
+
 
 def test_beside_a_worker_one_verify_shaped_step_is_timed_per_bucket_where_it_could_change_the_cap():
     """In an AR round beside a worker, `calibrate` times one forward of K+1 tokens per sequence (within

@@ -92,12 +92,12 @@ class Chooser:
             self._choices.update(choices)
             self._restored |= set(choices)
 
-    def choose(self, batch: int, fallback: Optional[Plan] = None, tail: bool = False) -> Plan:
+    def choose(self, batch: int, fallback: Optional[Plan] = None, tail: bool = False, cold: bool = False) -> Plan:
         """The plan for a round of `batch` sequences; `fallback` (the draft side failed) overrides it.
         At a batch bucket not yet decided at, the plans are measured first (`_explore`), then the rule
         decides: its choice stands there by the hysteresis, with `_probe`'s rounds of the others; in a
         long call's tail (`tail`: `call_tail`), once the rule has decided somewhere, the plan running
-        stands instead (AR for an SSD plan; plans.TAIL_ROUNDS)."""
+        stands instead (AR for an SSD plan; plans.TAIL_ROUNDS); AR's due re-timing waits out a `cold` one."""
         self._tail_round = False
         if fallback is not None:
             return fallback
@@ -132,7 +132,7 @@ class Chooser:
         log.debug("SSD strategy %s: inputs %s", chosen.label, inputs)
         self.current, self.decided, self._choices[bucket] = chosen, True, chosen
         ran = self._probe(bucket, chosen, scores, excluded)
-        if ran is chosen and ran in (Plan.SD, Plan.SUFFIX) and self._times_timed("sd", bucket) \
+        if ran is chosen and ran in (Plan.SD, Plan.SUFFIX) and not cold and self._times_timed("sd", bucket) \
                 and self._calibration_due(bucket):
             ran = Plan.AR  # AR's due re-timing as an AR round, which emits its tokens (`calibrate`)
         self._publish(ran, inputs, scores, decision.b_star)

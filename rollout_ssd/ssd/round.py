@@ -86,7 +86,8 @@ class SSDDecode(DecodeStrategy):
     def step(self, running: list[Sequence]) -> int:
         """One round: its plan, docs/THEORY.md §2's four steps (module docstring), then its counts."""
         t0 = time.perf_counter()
-        plan = self.chooser.choose(len(running), fallback=self.draft.fallback, tail=call_tail(running))
+        plan = self.chooser.choose(len(running), fallback=self.draft.fallback, tail=call_tail(running),
+                                   cold=all(self.draft.is_first_round(s) for s in running))
         fanout = self.planner.plan(cap=self.chooser.budget_cap(len(running), plan))
         ks = chain_lengths(running, self.k)
         sd, cores = self._share(plan)  # SD in this process; the target's CPU share beside a worker
