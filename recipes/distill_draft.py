@@ -51,6 +51,9 @@ def parse_args(argv=None):
     p.add_argument("--data-only", action="store_true", help="sample data into --data-cache and stop")
     p.add_argument("--init-from", default=None, help="warm-start from this draft checkpoint (keeps its head)")
     p.add_argument("--head-size", type=int, default=8192)
+    p.add_argument("--reselect-head", action="store_true",
+                   help="with --init-from: the head's tokens chosen again from this run's data (--head-size "
+                        "most frequent; rows of tokens kept stay trained, new ones start from the target's)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--minutes", type=float, default=25.0, help="training wall-clock budget")
     p.add_argument("--max-steps", type=int, default=None)
@@ -135,6 +138,12 @@ def main(argv=None) -> int:
         draft = load_pretrained(args.init_from, dtype="float32", with_tokenizer=False, share_embedding_from=model).model
         head = draft.head_token_ids.detach().clone()
         log.info("warm start from %s (%d layers, head %d)", args.init_from, draft.cfg.num_layers, len(head))
+        if args.reselect_head:
+            new_head = build.select_head_tokens(samples, args.head_size, always=model.cfg.eos_token_ids)
+            log.info("head reselected: %d tokens kept, %d new; coverage %.3f -> %.3f", len(set(head.tolist()) &
+                     set(new_head.tolist())), len(set(new_head.tolist()) - set(head.tolist())),
+                     build.coverage(head, samples), build.coverage(new_head, samples))
+            draft, head = build.rehead(draft, model, new_head), new_head
     else:
         head = build.select_head_tokens(samples, args.head_size, always=model.cfg.eos_token_ids)
         draft = build.make_draft(model, head, args.layers)
@@ -212,6 +221,8 @@ def check_size_first(args, model) -> int:
         from rollout_ssd.models.config import model_config_from_hf
 
         cfg = model_config_from_hf(AutoConfig.from_pretrained(args.init_from, local_files_only=True))
+        if args.reselect_head:
+            cfg = draft_config(model.cfg, cfg.num_layers, args.head_size)
     else:
         cfg = draft_config(model.cfg, args.layers, args.head_size)
     return check_checkpoint_size(cfg, max_bytes=size_limit(args))

@@ -181,6 +181,38 @@ def test_saved_draft_reloads_with_shared_embedding(tiny_target, tiny_data, tmp_p
     assert torch.isinf(got[..., [t for t in range(96) if t not in set(head.tolist())]]).all()
 
 
+def test_rehead_keeps_trained_rows_and_layers(tiny_target, tiny_data):
+    """A head chosen again: tokens in both heads keep the trained draft's rows (so their logits are
+    unchanged), new tokens get the target's output rows, every layer stays as trained, and a token
+    dropped from the head can no longer be drafted."""
+    target = tiny_target.model
+    old = torch.arange(3, 43)
+    new = torch.cat([torch.tensor([2]), torch.arange(23, 63)])  # 20 kept (23..42), 21 new
+    draft = build.make_draft(target, old, num_layers=2)
+    with torch.no_grad():
+        for p in build.trainable_parameters(draft):
+            p.add_(0.05 * torch.randn_like(p))
+    before = {k: v.clone() for k, v in draft.hf_parameters().items()}
+    again = build.rehead(draft, target, new)
+    assert torch.equal(again.head_token_ids, new) and again.cfg.head_vocab_size == len(new)
+    assert all(torch.equal(draft.hf_parameters()[k], v) for k, v in before.items())  # the old draft untouched
+    for name, tensor in again.hf_parameters().items():
+        if not name.startswith("lm_head") and name != "model.embed_tokens.weight":
+            assert torch.equal(tensor, before[name]), name
+    assert again.embed is target.embed
+    tokens = torch.tensor([tiny_data[1].token_ids])
+    with torch.no_grad():
+        a, b = draft.logits(draft.forward_train(tokens)), again.logits(again.forward_train(tokens))
+    kept = list(range(23, 43))
+    assert torch.equal(a[..., kept], b[..., kept])
+    torch.testing.assert_close(again.lm_head[torch.isin(new, old, invert=True)],
+                               target.lm_head[new[torch.isin(new, old, invert=True)]].float(), rtol=0, atol=0)
+    assert torch.isinf(b[..., list(range(3, 23))]).all() and torch.isfinite(b[..., [2] + list(range(43, 63))]).all()
+    assert all(p.requires_grad for p in build.trainable_parameters(again))
+    with pytest.raises(ValueError, match="full head"):
+        build.rehead(target, target, new)
+
+
 def test_checkpoint_size_is_checked_before_training(tiny_target, tiny_data, tmp_path):
     """The checkpoint's size is known from the draft's config alone (parameters x dtype bytes, the
     shared embedding left out): it is exactly what save_draft stores, so a draft over the limit is

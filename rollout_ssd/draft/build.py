@@ -82,6 +82,27 @@ def make_draft(target: Decoder, head_token_ids: torch.Tensor, num_layers: int = 
     return draft
 
 
+def rehead(draft: Decoder, target: Decoder, head_token_ids: torch.Tensor) -> Decoder:
+    """A trained draft with its restricted head over other tokens (`head_token_ids`, sorted): a token
+    the old head had keeps its trained row, a new one starts from the target's output row (as
+    `make_draft` starts every row). Returns a new float32 draft; `draft` is left as it was."""
+    if draft.head_token_ids is None:
+        raise ValueError("rehead: the draft has a full head (no head_token_ids)")
+    old_ids, old_rows = draft.head_token_ids.detach(), draft.lm_head.detach().float()
+    out = make_draft(target, head_token_ids, draft.cfg.num_layers)
+    with torch.no_grad():
+        src, dst = draft.hf_parameters(), out.hf_parameters()
+        for name, tensor in src.items():
+            if not name.startswith("lm_head") and name != "model.embed_tokens.weight":
+                dst[name].copy_(tensor)
+        where = torch.full((max(int(old_ids.max()), int(head_token_ids.max())) + 1,), -1, dtype=torch.long)
+        where[old_ids] = torch.arange(len(old_ids))
+        at = where[head_token_ids]
+        kept = at >= 0
+        dst["lm_head.weight"][kept] = old_rows[at[kept]]
+    return out
+
+
 def trainable_parameters(draft: Decoder) -> list[nn.Parameter]:
     return [p for name, p in draft.named_parameters() if name not in ("embed", "head_token_ids")]
 
