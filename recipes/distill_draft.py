@@ -67,7 +67,10 @@ def parse_args(argv=None):
     p.add_argument("--max-checkpoint-bytes", type=int, default=None,
                    help="size limit of the saved draft (default: the package's, for a draft that ships in it; "
                         "0: none, for a candidate measured from outside the package)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.reselect_head and not args.init_from:
+        p.error("--reselect-head chooses a warm-started draft's head again: it needs --init-from")
+    return args
 
 
 def temperature_mix(spec: str, n: int, seed: int) -> list[float]:
@@ -188,12 +191,14 @@ def training_texts(args, split) -> list[str]:
     turn with those of --original-range; a varied prompt equal to a held-out one is refused."""
     if args.prompt_mix == "templates":
         return split.train
-    from rollout_ssd.draft import varied_prompts
+    from rollout_ssd.draft import prompts, varied_prompts
 
     start, stop = (int(v) for v in args.original_range.split(":"))
-    originals = split.train[start:stop]
+    stop = min(stop, len(split.train))
+    unseen = set(prompts.build_prompts(8000, 0, seed=0).train[7900:])  # the benches' unseen set
+    originals = [t for t in split.train[start:stop] if t not in unseen]
     varied = varied_prompts.build_varied_prompts(len(originals), args.seed)
-    clash = set(varied) & set(split.heldout)
+    clash = set(varied) & (set(split.heldout) | unseen)
     if clash:
         raise ValueError(f"varied prompts equal to held-out ones: {sorted(clash)[:3]}")
     log.info("prompt mix: %d varied prompts in turn with training prompts %d:%d", len(varied), start, stop)
@@ -233,9 +238,15 @@ def write_provenance(path, command, args, split, data_tokens, num_samples, data_
     cost_rows = "\n".join(f"| {b} | {c['target_s'] * 1e3:.1f} | {c['draft_s'] * 1e3:.2f} | {c['ratio']:.3f} |"
                           for b, c in cost.items())
     extra_rows = "".join(f"- {k}: {v}\n" for k, v in extra.items())
-    warm = (f"\nWarm-started from `{args.init_from}` (its layers, norm and head; that checkpoint's own provenance "
+    kept = ("its layers and norm; its head's tokens chosen again from this run's data, the rows of tokens it "
+            "had kept as trained, new ones from the target's output rows" if args.reselect_head else
+            "its layers, norm and head")
+    warm = (f"\nWarm-started from `{args.init_from}` ({kept}; that checkpoint's own provenance "
             f"describes how it was made); the data below may include caches sampled by earlier runs "
             f"({', '.join(args.extra_data) or 'none'}).\n" if args.init_from else "")
+    mix = ("" if args.prompt_mix == "templates" else
+           f" in turn with `draft.varied_prompts.build_varied_prompts` (more kinds of request, none a held-out "
+           f"template), training prompts {args.original_range} of the former")
     text = f"""# Default draft for SmolLM2-135M-Instruct: provenance
 
 Made by the project's distillation command (`recipes/distill_draft.py`, library `rollout_ssd/draft/`):
@@ -254,7 +265,7 @@ torch {torch.__version__}, {torch.get_num_threads()} CPU thread(s), float32 comp
   Verification stays exact: q is the distribution the draft samples from and it is 0 outside the head.
 
 ## Data (seed {args.seed})
-- Prompts: procedural (`prompts.build_prompts`): questions, explanations, lists, stories/poems, instructions,
+- Prompts: procedural (`prompts.build_prompts`{mix}): questions, explanations, lists, stories/poems, instructions,
   code requests, arithmetic word problems; chat template applied. Held-out prompts ({len(split.heldout)}) use a
   template of each kind that training never uses, filled from another seed.
 - Completions sampled on-policy from the target (`{args.target}`, float32) with the engine's sampling law,

@@ -91,6 +91,11 @@ def test_recipe_prompt_mix(monkeypatch):
     texts = recipe.training_texts(args, split)
     assert len(texts) == 100 and texts[1::2] == split.train[100:150]
     assert recipe.training_texts(recipe.parse_args(["--out", "x"]), split) == split.train
+    full = prompts.build_prompts(8000, 8, seed=0)  # the benches' unseen set never enters the data
+    args = recipe.parse_args(["--out", "x", "--prompt-mix", "varied", "--original-range", "7890:8000"])
+    assert recipe.training_texts(args, full)[1::2] == full.train[7890:7900]
+    with pytest.raises(SystemExit):
+        recipe.parse_args(["--out", "x", "--reselect-head"])
 
 
 def test_teacher_records_match_a_separate_teacher_pass(tiny_target, tiny_data):

@@ -906,6 +906,9 @@ def test_a_due_calibration_in_a_plain_speculation_plan_is_an_ar_round_not_a_forw
     warm.count_round(first, cold=True, batch=1)
     second = warm.choose(1)
     assert (first, second) == (Plan.SD, Plan.AR)
+    warm.calibrate(runner, running, cold=False, plan=second)
+    warm.count_round(second, cold=False, batch=1)
+    assert warm._calibrations == 1 and warm.choose(1) is Plan.SD  # that AR round was the re-timing
 
 
 def test_beside_a_worker_one_verify_shaped_step_is_timed_per_bucket_where_it_could_change_the_cap():

@@ -95,9 +95,11 @@ def rehead(draft: Decoder, target: Decoder, head_token_ids: torch.Tensor) -> Dec
         for name, tensor in src.items():
             if not name.startswith("lm_head") and name != "model.embed_tokens.weight":
                 dst[name].copy_(tensor)
-        where = torch.full((max(int(old_ids.max()), int(head_token_ids.max())) + 1,), -1, dtype=torch.long)
-        where[old_ids] = torch.arange(len(old_ids))
-        at = where[head_token_ids]
+        device = old_ids.device
+        where = torch.full((max(int(old_ids.max()), int(head_token_ids.max())) + 1,), -1, dtype=torch.long,
+                           device=device)
+        where[old_ids] = torch.arange(len(old_ids), device=device)
+        at = where[head_token_ids.to(device)]
         kept = at >= 0
         dst["lm_head.weight"][kept] = old_rows[at[kept]]
     return out

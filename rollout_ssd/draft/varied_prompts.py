@@ -6,7 +6,9 @@ These templates add forms (comparisons, rewrites, plans, dialogues, advice, debu
 definitions, brainstorms, and more) over their own vocabulary, so that a draft meets many kinds of
 request. None is a held-out template of `build_prompts` nor a rewording of one (no fables, blog-post
 openings, "surprising" facts, student questions, "implement and explain" code or change-making sums),
-so the recipe's held-out acceptance still measures prompts of kinds the draft never trained on.
+so the recipe's held-out acceptance still measures prompts of forms the draft never trained on (a few
+ask for a topic in brief, as `build_prompts`' own training templates "Give a short explanation of" and
+"Describe ... in three sentences" do beside the held-out "Summarize what everyone should know about").
 `build_prompts` itself is left as it was: the benches' prompt sets are defined from it.
 """
 
