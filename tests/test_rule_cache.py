@@ -208,8 +208,8 @@ def test_second_engine_decides_at_once_from_the_first_ones_measurements(pair48, 
         chooser, plans = engine.strategy.chooser, []
         choose = chooser.choose
 
-        def recording(batch, fallback=None, tail=False):
-            plans.append((batch, choose(batch, fallback, tail), chooser.decided))
+        def recording(batch, fallback=None, tail=False, cold=False):
+            plans.append((batch, choose(batch, fallback, tail, cold), chooser.decided))
             return plans[-1][1]
 
         chooser.choose = recording

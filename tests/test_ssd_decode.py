@@ -145,8 +145,8 @@ def test_rule_measures_ar_then_sd_then_ssd_and_drops_a_clear_loser_early(pair48,
                         lambda inputs, names: {n: ar_gain if n == "ar" else 1.0 for n in names})
     plans, choose = [], ssd.chooser.choose
 
-    def recording(batch, fallback=None, tail=False):
-        plans.append((batch, choose(batch, fallback, tail)))
+    def recording(batch, fallback=None, tail=False, cold=False):
+        plans.append((batch, choose(batch, fallback, tail, cold)))
         return plans[-1][1]
 
     ssd.chooser.choose = recording
@@ -194,7 +194,7 @@ def test_ar_rounds_are_the_ar_engines_steps(pair48, temperature, top_p):
     ar = ar_engine(target, 3).sample(PROMPTS[:3], params)
     engine = ssd_engine(target, draft, 3, k=3, strategy_rule=True)
     ssd = engine.strategy
-    ssd.chooser.choose = lambda batch, fallback=None, tail=False: Plan.AR
+    ssd.chooser.choose = lambda batch, fallback=None, tail=False, cold=False: Plan.AR
     verified = []
     ssd.verify_round = lambda *a: verified.append(a)  # chain verification (decode.verify_round): not for AR
     ssd.trace = trace = []
@@ -209,7 +209,7 @@ def test_ar_rounds_are_the_ar_engines_steps(pair48, temperature, top_p):
     assert torch.allclose(torch.tensor([o.logprobs for o in out]), torch.tensor([a.logprobs for a in ar]), atol=1e-5)
     assert engine.metrics()["ssd/strategy_rounds"] == {"ar": 11}  # the first token comes from the prefill
     turns = itertools.cycle([Plan.AR, Plan.SSD_DRAFT, Plan.AR, Plan.AR, Plan.SD])
-    ssd.chooser.choose = lambda batch, fallback=None, tail=False: next(turns)
+    ssd.chooser.choose = lambda batch, fallback=None, tail=False, cold=False: next(turns)
     greedy = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
     assert [o.token_ids for o in engine.sample(PROMPTS, greedy)] == \
         [a.token_ids for a in ar_engine(target, 3).sample(PROMPTS, greedy)]

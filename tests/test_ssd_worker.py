@@ -174,7 +174,7 @@ def test_target_takes_the_workers_core_in_rounds_that_leave_it_idle(pair, ar_out
     assert (os.sched_getaffinity(0), torch.get_num_threads()) == wide
     ssd = engine.strategy
     turns = itertools.cycle([Plan.SSD_DRAFT, Plan.AR, Plan.SSD_DRAFT, Plan.SD, Plan.AR])
-    ssd.chooser.choose = lambda batch, fallback=None, tail=False: next(turns)
+    ssd.chooser.choose = lambda batch, fallback=None, tail=False, cold=False: next(turns)
     seen, verify = [], ssd._verify
     ssd._verify = lambda running, rnd, plan: (seen.append((plan, os.sched_getaffinity(0), torch.get_num_threads())),
                                                verify(running, rnd, plan))[1]
@@ -190,10 +190,10 @@ def test_target_takes_the_workers_core_in_rounds_that_leave_it_idle(pair, ar_out
     ssd.draft.request_chains = lambda *a: (requests.append(1), request(*a))[1]
     assert [r.token_ids for r in engine.sample(PROMPTS, GREEDY)] == ar_out
     assert (os.sched_getaffinity(0), torch.get_num_threads()) == wide
-    ssd.chooser.choose = lambda batch, fallback=None, tail=False: Plan.SSD_DRAFT  # a call whose every round narrows
+    ssd.chooser.choose = lambda batch, fallback=None, tail=False, cold=False: Plan.SSD_DRAFT  # a call whose every round narrows
     assert [r.token_ids for r in engine.sample(PROMPTS[:1], GREEDY)] == ar_out[:2]
     assert (os.sched_getaffinity(0), torch.get_num_threads()) == wide
-    ssd.chooser.choose = lambda batch, fallback=None, tail=False: next(turns)
+    ssd.chooser.choose = lambda batch, fallback=None, tail=False, cold=False: next(turns)
     # SD rounds draft in this process with the SD engine's speculator (the worker would draft on its one
     # core, over the whole vocabulary) and never ask the worker; SSD rounds ask it
     assert ssd.sd is not None and all(in_process == (plan is Plan.SD) for plan, in_process in asked)
@@ -235,7 +235,7 @@ def test_sd_rounds_beside_a_worker_are_the_sd_engines_rounds_at_temperature(pair
     params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=12, n=2, seed=7, ignore_eos=True)
     want = _sd_engine_outputs(pair, params)
     engine = ssd_engine(*pair, batch=3, k=3, worker=True)
-    engine.strategy.chooser.choose = lambda batch, fallback=None, tail=False: Plan.SD
+    engine.strategy.chooser.choose = lambda batch, fallback=None, tail=False, cold=False: Plan.SD
     got = engine.sample(PROMPTS, params)
     assert engine.strategy.sd is not None and engine.metrics()["ssd/strategy_rounds"].keys() == {"sd"}
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
@@ -261,7 +261,7 @@ def test_an_sd_round_timing_the_caps_one_core_verify_drafts_whole_chains_and_ver
     engine = ssd_engine(*pair, batch=3, k=3, worker=True)
     ssd = engine.strategy
     ssd._sd_spare.stop_prob = 0.9  # the draft's chains mostly stop early, unless drafted whole
-    ssd.chooser.choose = lambda batch, fallback=None, tail=False: Plan.SD
+    ssd.chooser.choose = lambda batch, fallback=None, tail=False, cold=False: Plan.SD
     turns = itertools.cycle([False, True])
     ssd.chooser.narrow_verify = lambda batch, cores: next(turns)
     rounds, propose, verify = [], ssd._propose_sd, ssd._verify
@@ -401,7 +401,7 @@ def test_the_worker_is_told_of_sequences_at_their_first_round_that_asks_it(pair,
     client.send = lambda msg: (sent.append((rounds[0], msg)), send(msg))[1]
     client.request = lambda msg: (sent.append((rounds[0], msg)), request(msg))[1]
 
-    def choose(batch, fallback=None, tail=False):
+    def choose(batch, fallback=None, tail=False, cold=False):
         rounds[0] += 1
         return Plan.AR if rounds[0] <= 6 else Plan.SSD_DRAFT
 
@@ -433,7 +433,7 @@ def test_the_sd_round_that_makes_the_in_process_speculator_times_nothing(pair, a
     engine = ssd_engine(*pair, batch=3, k=3, worker=True)
     ssd, rounds = engine.strategy, [0]
 
-    def choose(batch, fallback=None, tail=False):
+    def choose(batch, fallback=None, tail=False, cold=False):
         rounds[0] += 1
         return Plan.AR if rounds[0] <= 3 else Plan.SD
 
