@@ -2,7 +2,8 @@
 
     python -m recipes.distill_draft --out rollout_ssd/assets/drafts/smollm2-135m-instruct-draft
 
-Steps: build procedural prompts (train / held-out by template), sample completions from the target
+Steps: build procedural prompts (train / held-out by template; `--prompt-mix varied` takes
+draft.varied_prompts' other kinds in turn with them), sample completions from the target
 with the teacher's top-k log-probs recorded (until --tokens or --data-minutes), pick the head's
 --head-size most frequent tokens, train a --layers-layer draft for --minutes, round it to bfloat16,
 measure held-out acceptance (greedy and T=1) and the decode-step cost ratio, save the checkpoint
