@@ -42,7 +42,7 @@ def load_default_pair(draft: str = "default", dtype: str = "float32"):
     return target, load_draft(draft, target, "smollm2-135m-instruct", dtype=dtype)
 
 
-PROMPT_SETS = ("templates", "unseen")
+PROMPT_SETS = ("templates", "unseen")  # rollout_ssd.draft.prompts.EVAL_SETS (argparse needs them before import)
 
 
 def add_prompt_set_arg(parser) -> None:
@@ -53,7 +53,8 @@ def add_prompt_set_arg(parser) -> None:
 
 
 def bench_prompts(tokenizer, prompt_set: str, count: int) -> list[list[int]]:
-    """The first `count` prompts of a benchmark prompt set, as chat-template token ids:
+    """The first `count` prompts of a benchmark prompt set (`rollout_ssd.draft.prompts.eval_texts`), as
+    chat-template token ids:
 
     - "templates": the distillation recipe's held-out prompts, `build_prompts(8000, n, seed=0).heldout`,
       filled from one template per kind that training never uses (new kinds of prompt);
@@ -62,17 +63,9 @@ def bench_prompts(tokenizer, prompt_set: str, count: int) -> list[list[int]]:
       the draft's PROVENANCE.md): new prompts of the kinds it was distilled on, as in an RL job whose
       draft is distilled on the policy's own prompt set."""
     add_repo_to_path()
-    from rollout_ssd.draft.prompts import build_prompts, chat_prompt_ids
+    from rollout_ssd.draft.prompts import chat_prompt_ids, eval_texts
 
-    if prompt_set == "templates":
-        texts = build_prompts(8000, count, seed=0).heldout
-    elif prompt_set == "unseen":
-        texts = build_prompts(8000, 0, seed=0).train[7900:8000]
-    else:
-        raise ValueError(f"prompt set must be one of {PROMPT_SETS}, got {prompt_set!r}")
-    if count > len(texts):
-        raise ValueError(f"prompt set {prompt_set!r} holds {len(texts)} prompts, {count} asked")
-    return chat_prompt_ids(tokenizer, texts[:count])
+    return chat_prompt_ids(tokenizer, eval_texts(prompt_set, count))
 
 
 def print_table(rows: Sequence[dict], columns: Optional[Sequence[str]] = None, floatfmt: str = ".2f") -> None:

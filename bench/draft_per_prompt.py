@@ -14,14 +14,14 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import PROMPT_SETS, add_repo_to_path, bench_prompts, load_default_pair, machine_note, print_json_line, print_table
+from common import PROMPT_SETS, add_repo_to_path, load_default_pair, machine_note, print_json_line, print_table
 
 add_repo_to_path()
 
 from rollout_ssd.draft.acceptance import expected_acceptance  # noqa: E402
 from rollout_ssd.draft.drift import visited_logits  # noqa: E402
 from rollout_ssd.draft.on_policy import sample_continuations  # noqa: E402
-from rollout_ssd.draft.prompts import build_prompts  # noqa: E402
+from rollout_ssd.draft.prompts import chat_prompt_ids, eval_texts  # noqa: E402
 from rollout_ssd.models.loader import load_draft  # noqa: E402
 
 
@@ -38,9 +38,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     target, a = load_default_pair(args.a)
     b = load_draft(args.b, target, "smollm2-135m-instruct", dtype="float32")
-    ids = bench_prompts(target.tokenizer, args.set, args.prompts)
-    texts = (build_prompts(8000, args.prompts, seed=0).heldout if args.set == "templates"
-             else build_prompts(8000, 0, seed=0).train[7900:7900 + args.prompts])
+    texts = eval_texts(args.set, args.prompts)
+    ids = chat_prompt_ids(target.tokenizer, texts)
     continuations = sample_continuations(target.model, ids, [args.temperature] * len(ids), args.max_new_tokens, 16, 1234)
     heads = [set(d.model.head_token_ids.tolist()) if d.model.head_token_ids is not None else None for d in (a, b)]
     rows = []

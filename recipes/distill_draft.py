@@ -196,7 +196,7 @@ def training_texts(args, split) -> list[str]:
 
     start, stop = (int(v) for v in args.original_range.split(":"))
     stop = min(stop, len(split.train))
-    unseen = set(prompts.build_prompts(8000, 0, seed=0).train[7900:])  # the benches' unseen set
+    unseen = set(prompts.eval_texts("unseen", prompts.UNSEEN_OF - prompts.UNSEEN_FROM))  # the benches' set
     originals = [t for t in split.train[start:stop] if t not in unseen]
     varied = varied_prompts.build_varied_prompts(len(originals), args.seed)
     clash = set(varied) & (set(split.heldout) | unseen)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 _NAMES = ["Tom", "Maria", "Aisha", "Kenji", "Liam", "Sofia", "Omar", "Mei", "Noah", "Priya", "Lucas", "Zara",
           "Ivan", "Chloe", "Mateo", "Hana", "Ben", "Fatima", "Leo", "Nina"]
@@ -75,28 +75,52 @@ def _fill(template: str, rng: random.Random) -> str:
                            e=rng.choice([20, 50, 100]))
 
 
+def distinct_in_rotation(count: int, templates: dict[str, list[str]], pick: Callable[[list[str], random.Random], str],
+                         fill: Callable[[str, random.Random], str], rng: random.Random) -> list[str]:
+    """Up to `count` distinct prompts, the kinds of `templates` taking turns: each try fills
+    (`fill`) the template `pick` takes from its kind's list; at most 50 * count + 100 tries."""
+    out: list[str] = []
+    seen: set[str] = set()
+    kinds = list(templates)
+    attempts = 0
+    while len(out) < count and attempts < 50 * count + 100:
+        kind = kinds[attempts % len(kinds)]
+        attempts += 1
+        text = fill(pick(templates[kind], rng), rng)
+        if text not in seen:
+            seen.add(text)
+            out.append(text)
+    return out
+
+
 def build_prompts(num_train: int, num_heldout: int, seed: int = 0) -> PromptSplit:
     """Varied instruction prompts, kinds in rotation (questions, explanations, lists, stories,
     instructions, code, arithmetic word problems). Held-out prompts use each kind's last template,
     which training never uses, and a different seed; duplicates are removed."""
-    def make(count: int, held: bool, rng: random.Random) -> list[str]:
-        out: list[str] = []
-        seen: set[str] = set()
-        kinds = list(_TEMPLATES)
-        attempts = 0
-        while len(out) < count and attempts < 50 * count + 100:
-            kind = kinds[attempts % len(kinds)]
-            attempts += 1
-            templates = _TEMPLATES[kind]
-            template = templates[-1] if held else rng.choice(templates[:-1])
-            text = _fill(template, rng)
-            if text not in seen:
-                seen.add(text)
-                out.append(text)
-        return out
+    return PromptSplit(
+        train=distinct_in_rotation(num_train, _TEMPLATES, lambda ts, rng: rng.choice(ts[:-1]), _fill, random.Random(seed)),
+        heldout=distinct_in_rotation(num_heldout, _TEMPLATES, lambda ts, rng: ts[-1], _fill,
+                                     random.Random(seed + 1_000_003)))
 
-    return PromptSplit(train=make(num_train, False, random.Random(seed)),
-                       heldout=make(num_heldout, True, random.Random(seed + 1_000_003)))
+
+# The two held-out sets the benches and bench/eval_draft.py measure drafts on (bench/common.bench_prompts):
+# "templates", the recipe's held-out prompts (templates training never uses), and "unseen", training
+# prompts UNSEEN_FROM.. of a UNSEEN_OF-prompt set, which no data cache of the default draft sampled
+EVAL_SETS = ("templates", "unseen")
+UNSEEN_FROM, UNSEEN_OF = 7900, 8000
+
+
+def eval_texts(prompt_set: str, count: int) -> list[str]:
+    """The first `count` prompts of an evaluation set (`EVAL_SETS`), as text."""
+    if prompt_set == "templates":
+        texts = build_prompts(UNSEEN_OF, count, seed=0).heldout
+    elif prompt_set == "unseen":
+        texts = build_prompts(UNSEEN_OF, 0, seed=0).train[UNSEEN_FROM:]
+    else:
+        raise ValueError(f"prompt set must be one of {EVAL_SETS}, got {prompt_set!r}")
+    if count > len(texts):
+        raise ValueError(f"prompt set {prompt_set!r} holds {len(texts)} prompts, {count} asked")
+    return texts[:count]
 
 
 def chat_prompt_ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
+from rollout_ssd.draft.prompts import distinct_in_rotation
+
 _SUBJECTS = ["rivers", "smartphones", "the solar system", "ancient Egypt", "renewable energy", "bacteria",
              "the Olympic Games", "money", "languages", "bridges", "forests", "airplanes", "the brain",
              "volunteering", "video games", "pollution", "robots", "nutrition", "deserts", "photography",
@@ -119,18 +121,7 @@ def _fill(template: str, rng: random.Random) -> str:
 def build_varied_prompts(count: int, seed: int = 0) -> list[str]:
     """`count` distinct prompts from these templates, kinds in rotation (fewer where the templates'
     fillings run out)."""
-    rng = random.Random(seed)
-    kinds = list(_TEMPLATES)
-    out: list[str] = []
-    seen: set[str] = set()
-    attempts = 0
-    while len(out) < count and attempts < 50 * count + 100:
-        text = _fill(rng.choice(_TEMPLATES[kinds[attempts % len(kinds)]]), rng)
-        attempts += 1
-        if text not in seen:
-            seen.add(text)
-            out.append(text)
-    return out
+    return distinct_in_rotation(count, _TEMPLATES, lambda ts, rng: rng.choice(ts), _fill, random.Random(seed))
 
 
 def interleave(varied: Sequence[str], originals: Sequence[str]) -> list[str]:
