@@ -1,8 +1,20 @@
-"""GGUF -> (transformers config, HF-named float32 state dict), dequantizing with the `gguf` package."""
+"""GGUF -> (transformers config, HF-named float32 state dict), dequantizing with the `gguf` package.
+
+`gguf.GGUFReader` parses every metadata field when it opens a file, the tokenizer's ~100k strings
+included, which is most of a GGUF load's time. What the weights need of it (the config's fields and each
+tensor's type, shape and byte range) is kept after the first load as a small JSON index in
+`$ROLLOUT_SSD_CACHE/gguf` (models/loader.py's cache_root), keyed by the file's path, size and mtime; later loads
+read the tensors straight from a memory map of the file. An index that is missing, of another format or
+inconsistent with the file is rebuilt from the reader; nothing but JSON is read from the cache.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import re
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +43,12 @@ BLOCK_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+INDEX_FORMAT = 1
+# numpy dtype of a tensor's stored items: these types as themselves, every quantized type as raw bytes
+PLAIN_TYPES = {"F32": "float32", "F16": "float16", "F64": "float64", "I8": "int8", "I16": "int16",
+               "I32": "int32", "I64": "int64"}
+
+log = logging.getLogger(__name__)
 
 
 def _field(reader, key, default=None):
@@ -46,9 +64,8 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_hf_config(reader):
-    from transformers import AutoConfig
-
+def gguf_config_fields(reader) -> tuple[str, dict]:
+    """(transformers model_type, config kwargs) of an open GGUF file."""
     arch = _field(reader, "general.architecture")
     if arch not in ARCH_TO_MODEL_TYPE:
         raise ValueError(f"GGUF general.architecture {arch!r} is not supported (supported: {sorted(ARCH_TO_MODEL_TYPE)})")
@@ -77,31 +94,106 @@ def gguf_hf_config(reader):
         kwargs["rope_parameters"].update(rope_type="linear", factor=float(f("rope.scaling.factor")))
     elif scaling not in (None, "none"):
         raise ValueError(f"GGUF {arch}.rope.scaling.type {scaling!r} is not supported")
-    return AutoConfig.for_model(ARCH_TO_MODEL_TYPE[arch], **kwargs)
+    return ARCH_TO_MODEL_TYPE[arch], kwargs
 
 
 def load_gguf(path: Path):
+    from transformers import AutoConfig
+
+    path = Path(path)
+    index = gguf_index(path)
+    hf_config = AutoConfig.for_model(index["model_type"], **index["config"])
+    return hf_config, _dequantized_state(path, index, hf_config)
+
+
+def _dequantized_state(path: Path, index: dict, hf_config) -> dict[str, torch.Tensor]:
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
-    hf_config = gguf_hf_config(reader)
     permute = hf_config.model_type == "llama"
+    data = np.memmap(path, dtype=np.uint8, mode="r")
     state: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        match = BLOCK_RE.match(tensor.name)
+    for entry in index["tensors"]:
+        name = entry["name"]
+        match = BLOCK_RE.match(name)
         if match:
             suffix = BLOCK_NAMES.get(match.group(2))
             hf_name = suffix and f"model.layers.{match.group(1)}.{suffix}"
         else:
-            hf_name = TENSOR_NAMES.get(tensor.name)
+            hf_name = TENSOR_NAMES.get(name)
         if hf_name is None:
-            if tensor.name == "rope_freqs.weight":
+            if name == "rope_freqs.weight":
                 raise ValueError("GGUF rope_freqs (llama3-style rope scaling) is not supported yet")
-            raise ValueError(f"GGUF tensor {tensor.name!r} has no known HF name")
-        w = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            raise ValueError(f"GGUF tensor {name!r} has no known HF name")
+        start = entry["offset"]
+        stored = data[start: start + entry["nbytes"]].view(entry["dtype"]).reshape(entry["shape"])
+        w = np.asarray(gguf.quants.dequantize(stored, gguf.GGMLQuantizationType(entry["type"])), dtype=np.float32)
         if permute and match and match.group(2) in ("attn_q.weight", "attn_q.bias"):
             w = _unpermute(w, hf_config.num_attention_heads)
         elif permute and match and match.group(2) in ("attn_k.weight", "attn_k.bias"):
             w = _unpermute(w, hf_config.num_key_value_heads)
         state[hf_name] = torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
-    return hf_config, state
+    return state
+
+
+def gguf_index(path: Path) -> dict:
+    """The file's config fields and tensor table: from the cache where a sound index of this very file
+    (path, size, mtime) is kept, else parsed with `gguf.GGUFReader` and kept for the next load."""
+    from rollout_ssd.models.loader import cache_root, file_key
+
+    st = path.stat()
+    stamp = {"format": INDEX_FORMAT, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    cached = cache_root() / "gguf" / f"{file_key(path)}.json"
+    try:
+        index = json.loads(cached.read_text())
+        _check_index(index, stamp)
+        return index
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError) as err:  # unreadable or unsound: parse the file again
+        log.warning("rebuilding the GGUF index %s: %s", cached, err)
+    index = {**stamp, "source": str(path.resolve()), **_read_index(path)}
+    _check_index(index, stamp)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cached.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(index, f)
+        os.replace(tmp, cached)
+    except OSError as err:  # a read-only cache still loads, just slower next time
+        log.warning("could not keep the GGUF index in %s: %s", cached, err)
+    return index
+
+
+def _read_index(path: Path) -> dict:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    model_type, config = gguf_config_fields(reader)
+    tensors = []
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        tensors.append({"name": t.name, "type": int(t.tensor_type), "dtype": PLAIN_TYPES.get(kind, "uint8"),
+                        "shape": [int(d) for d in t.data.shape], "offset": int(t.data_offset),
+                        "nbytes": int(t.data.nbytes)})
+    return {"model_type": model_type, "config": config, "tensors": tensors}
+
+
+def _check_index(index: dict, stamp: dict) -> None:
+    """ValueError unless `index` is of this format and file, and every tensor's bytes lie in the file and
+    fill its shape (a stale or damaged index must not read the wrong bytes)."""
+    for key, value in stamp.items():
+        if index.get(key) != value:
+            raise ValueError(f"index {key} {index.get(key)!r} is not the file's {value!r}")
+    if index.get("model_type") not in ARCH_TO_MODEL_TYPE.values() or not isinstance(index.get("config"), dict):
+        raise ValueError("index has no model_type or config")
+    import gguf
+
+    for entry in index["tensors"]:
+        gguf.GGMLQuantizationType(entry["type"])  # ValueError if it names no type
+        if entry["dtype"] not in (*PLAIN_TYPES.values(), "uint8") or not isinstance(entry["name"], str) \
+                or not all(isinstance(d, int) and d >= 0 for d in entry["shape"]):
+            raise ValueError(f"index entry {entry!r} is malformed")
+        itemsize = np.dtype(entry["dtype"]).itemsize
+        if entry["offset"] < 0 or entry["offset"] + entry["nbytes"] > stamp["size"] \
+                or int(np.prod(entry["shape"])) * itemsize != entry["nbytes"]:
+            raise ValueError(f"index entry {entry['name']!r} does not fit the file")

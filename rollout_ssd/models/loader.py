@@ -2,8 +2,9 @@
 
 GGUF files are dequantized on load with the `gguf` package; llama.cpp stores Llama q/k projections
 with rows permuted for its interleaved RoPE, which we undo so the weights are in HF layout. The
-tokenizer of a GGUF file is converted by transformers once and cached next to nothing else: in
-`$ROLLOUT_SSD_CACHE` (default ~/.cache/rollout_ssd), keyed by the file's path, size and mtime.
+tokenizer of a GGUF file is converted by transformers once and cached, and so is the GGUF's tensor index
+(models/gguf_loader.py): in `$ROLLOUT_SSD_CACHE` (default ~/.cache/rollout_ssd), keyed by the file's path,
+size and mtime.
 """
 
 from __future__ import annotations
@@ -165,13 +166,17 @@ def cache_root() -> Path:
     return Path(os.environ.get("ROLLOUT_SSD_CACHE", Path.home() / ".cache" / "rollout_ssd"))
 
 
+def file_key(path: Path) -> str:
+    """A cache key of this file as it is now: its resolved path, size and mtime."""
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
 def gguf_tokenizer(path: Path):
     """The GGUF file's tokenizer (and chat template), converted by transformers and cached."""
     from transformers import AutoTokenizer
 
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = cache_root() / "tokenizers" / key
+    cached = cache_root() / "tokenizers" / file_key(path)
     if (cached / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
