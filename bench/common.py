@@ -42,7 +42,8 @@ def load_default_pair(draft: str = "default", dtype: str = "float32"):
     return target, load_draft(draft, target, "smollm2-135m-instruct", dtype=dtype)
 
 
-PROMPT_SETS = ("templates", "unseen")  # rollout_ssd.draft.prompts.EVAL_SETS (argparse needs them before import)
+add_repo_to_path()
+from rollout_ssd.draft.prompts import EVAL_SETS as PROMPT_SETS  # noqa: E402  (the benches' --prompt-set choices)
 
 
 def add_prompt_set_arg(parser) -> None:

@@ -86,8 +86,8 @@ def sample_data(args, target, prompt_ids):
     from rollout_ssd.draft import on_policy, teacher
 
     samples, next_prompt = [], args.first_prompt
-    if args.data_cache and Path(args.data_cache).is_file():
-        samples, next_prompt = teacher.load_samples(args.data_cache)
+    if args.data_cache and Path(args.data_cache).is_file():  # sampling on from it needs the same prompt list
+        samples, next_prompt = teacher.load_samples(args.data_cache, prompt_set(args) if args.tokens > 0 else None)
         log.info("loaded %d cached samples (%d tokens) from %s", len(samples),
                  sum(s.num_completion for s in samples), args.data_cache)
     temps = temperature_mix(args.temperatures, len(prompt_ids), args.seed)
@@ -106,7 +106,7 @@ def sample_data(args, target, prompt_ids):
         log.info("data: %d samples, %d tokens, %.0f s (%.1f tok/s this run)", len(samples), n,
                  time.monotonic() - start_t, n / max(time.monotonic() - start_t, 1e-9))
         if args.data_cache:
-            teacher.save_samples(args.data_cache, samples, next_prompt)
+            teacher.save_samples(args.data_cache, samples, next_prompt, prompt_set(args))
     return samples, time.monotonic() - start_t
 
 
@@ -172,7 +172,7 @@ def main(argv=None) -> int:
 
     out = Path(args.out)
     provenance = (command, args, split, data_tokens, len(samples), data_s, head, build.coverage(head, samples), config,
-                  stats, greedy, t1, cost)
+                  stats, greedy, t1, cost, draft.cfg.num_layers)
     try:
         size = checkpoint.save_draft(draft, build.draft_hf_config(target.hf_config, draft.cfg.num_layers, len(head)), out,
                                      max_bytes=size_limit(args))
@@ -185,6 +185,12 @@ def main(argv=None) -> int:
     write_provenance(out / "PROVENANCE.md", *provenance, size, results)
     log.info("wrote %s (%d bytes)", out, size)
     return 0
+
+
+def prompt_set(args) -> dict:
+    """The options that make the training prompt list (`training_texts`), as kept with the data cache."""
+    names = ["num_prompts", "heldout_prompts", "seed", "prompt_mix"] + (["original_range"] if args.prompt_mix == "varied" else [])
+    return {name: getattr(args, name) for name in names}
 
 
 def training_texts(args, split) -> list[str]:
@@ -235,7 +241,7 @@ def check_size_first(args, model) -> int:
 
 
 def write_provenance(path, command, args, split, data_tokens, num_samples, data_s, head, cov, config, stats,
-                     greedy, t1, cost, size, extra):
+                     greedy, t1, cost, layers, size, extra):
     cost_rows = "\n".join(f"| {b} | {c['target_s'] * 1e3:.1f} | {c['draft_s'] * 1e3:.2f} | {c['ratio']:.3f} |"
                           for b, c in cost.items())
     extra_rows = "".join(f"- {k}: {v}\n" for k, v in extra.items())
@@ -245,6 +251,7 @@ def write_provenance(path, command, args, split, data_tokens, num_samples, data_
     warm = (f"\nWarm-started from `{args.init_from}` ({kept}; that checkpoint's own provenance "
             f"describes how it was made); the data below may include caches sampled by earlier runs "
             f"({', '.join(args.extra_data) or 'none'}).\n" if args.init_from else "")
+    by_warm = " (by the run that made the warm start)" if args.init_from else ""
     mix = ("" if args.prompt_mix == "templates" else
            f" in turn with `draft.varied_prompts.build_varied_prompts` (more kinds of request, none a held-out "
            f"template), training prompts {args.original_range} of the former")
@@ -259,8 +266,8 @@ torch {torch.__version__}, {torch.get_num_threads()} CPU thread(s), float32 comp
 ({size} bytes, embedding not stored: the draft shares its target's).
 
 ## Model
-{warm}- {args.layers} Llama layers, hidden 576, the target's heads/rope/norm eps; initialised from the target's first
-  {args.layers} layers and final norm; input embedding = the target's (frozen, shared at load time).
+{warm}- {layers} Llama layers, hidden 576, the target's heads/rope/norm eps; initialised from the target's first
+  {layers} layers and final norm{by_warm}; input embedding = the target's (frozen, shared at load time).
 - LM head restricted to the {len(head)} most frequent tokens of the training completions (EOS forced in);
   rows initialised from the target's output embedding; they cover {cov:.3f} of the training completion tokens.
   Verification stays exact: q is the distribution the draft samples from and it is 0 outside the head.

@@ -4,11 +4,31 @@ Layout per layer: keys and values [num_slots + 1, num_kv_heads, max_len, head_di
 slot is scratch: padded query rows write there, so ragged batches never need a per-row copy loop.
 `lengths[slot]` is how many positions of that slot hold valid entries; rollback is just lowering it
 (entries past the length are dead and get overwritten by the next append).
+
+Dead entries are still read (masked) where a batch's rows differ in length, so they must be finite: the
+cache starts as zeros. On a CPU those are pages of an anonymous private mapping, which read as zeros and
+are backed by memory only where written: a cache sized for every slot at the full context costs neither
+the time to clear it nor its memory until slots are used (torch.zeros would write all of it at once).
 """
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A tensor of zeros; on a CPU, untouched until written (pages of an anonymous private mapping)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)  # holds `pages` while it lives
 
 
 class KVCache:
@@ -17,8 +37,8 @@ class KVCache:
         if num_slots < 1 or max_len < 1:
             raise ValueError(f"KVCache needs num_slots >= 1 and max_len >= 1, got {num_slots}, {max_len}")
         shape = (num_slots + 1, num_kv_heads, max_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.keys = [zeroed(shape, dtype, device) for _ in range(num_layers)]
+        self.values = [zeroed(shape, dtype, device) for _ in range(num_layers)]
         self.num_slots = num_slots
         self.max_len = max_len
         self.scratch_slot = num_slots

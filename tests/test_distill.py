@@ -319,6 +319,33 @@ def test_data_cache_round_trips_without_unpickling(tmp_path):
         load_samples(tmp_path / "other.pt")
 
 
+def test_data_cache_records_the_prompt_list_its_index_counts_in(tmp_path):
+    """A run that samples on from a cache must use the prompt list the cache's next_prompt indexes: the
+    recipe records the options that make that list, and a cache from another list is refused naming them
+    (a cache from before the record, or a run that only trains on the cache, is not checked)."""
+    import torch
+
+    import recipes.distill_draft as recipe
+    from rollout_ssd.draft.teacher import TeacherSample, load_samples, save_samples
+
+    samples = [TeacherSample([1, 2, 3], 1, torch.zeros(2, 2, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.float16))]
+    templates = recipe.prompt_set(recipe.parse_args(["--out", "x"]))
+    varied = recipe.prompt_set(recipe.parse_args(["--out", "x", "--prompt-mix", "varied", "--original-range", "10:20"]))
+    assert templates == {"num_prompts": templates["num_prompts"], "heldout_prompts": templates["heldout_prompts"],
+                         "seed": 0, "prompt_mix": "templates"}
+    assert varied == {**templates, "prompt_mix": "varied", "original_range": "10:20"}
+    path = tmp_path / "cache.pt"
+    save_samples(path, samples, next_prompt=5, prompt_set=varied)
+    assert load_samples(path, varied)[1] == 5 and load_samples(path)[1] == 5
+    with pytest.raises(ValueError, match=r"prompt_mix: cache 'varied', this run 'templates'"):
+        load_samples(path, templates)
+    other_range = recipe.prompt_set(recipe.parse_args(["--out", "x", "--prompt-mix", "varied", "--original-range", "10:30"]))
+    with pytest.raises(ValueError, match=r"original_range: cache '10:20', this run '10:30'"):
+        load_samples(path, other_range)
+    save_samples(path, samples, next_prompt=5)  # as caches were made before the record
+    assert load_samples(path, templates)[1] == 5
+
+
 def test_recipe_size_limit_defaults_to_the_packages_and_can_be_lifted():
     """recipes/distill_draft: the package's limit unless told (a candidate draft measured from outside
     the package may be larger: 0 lifts it, for the up-front check, the training check and the save)."""
@@ -328,3 +355,24 @@ def test_recipe_size_limit_defaults_to_the_packages_and_can_be_lifted():
     assert size_limit(parse_args(base)) == checkpoint.MAX_CHECKPOINT_BYTES
     assert size_limit(parse_args(base + ["--max-checkpoint-bytes", "0"])) is None
     assert size_limit(parse_args(base + ["--max-checkpoint-bytes", "1234"])) == 1234
+
+
+def test_provenance_names_the_drafts_own_layer_count(tmp_path):
+    """A warm-started draft keeps its checkpoint's layers whatever --layers says: the provenance text
+    names the draft's own count (and says the warm start made that initialisation)."""
+    from types import SimpleNamespace
+
+    import recipes.distill_draft as recipe
+    from rollout_ssd.draft import prompts, train
+
+    args = recipe.parse_args(["--out", "x", "--init-from", "some/draft", "--layers", "6"])
+    split = prompts.build_prompts(40, 4, 0)
+    stats = SimpleNamespace(steps=3, seconds=60.0, positions_seen=100, first_loss=2.0, last_loss=1.0)
+    rate = SimpleNamespace(accept_rate=0.5, positions=10, sequences=2)
+    cost = {1: {"target_s": 0.03, "draft_s": 0.005, "ratio": 0.17}}
+    path = tmp_path / "PROVENANCE.md"
+    recipe.write_provenance(path, "cmd", args, split, 1000, 10, 60.0, list(range(8)), 0.9, train.DistillConfig(),
+                            stats, rate, rate, cost, 2, 12345, {})
+    text = path.read_text()
+    assert "- 2 Llama layers" in text and "first\n  2 layers and final norm (by the run that made the warm start)" in text
+    assert "6 Llama layers" not in text and "Warm-started from `some/draft`" in text

@@ -13,6 +13,7 @@ sequence, unpadded.
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -139,6 +140,41 @@ def test_kv_cache_allocates_lowest_first_and_moves_entries_down():
     assert cache.allocate() == 2
     with pytest.raises(ValueError, match="not allocated"):
         cache.free(3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_starts_as_zeros_backed_only_where_written(dtype):
+    """A CPU cache reads as zeros, takes writes like any tensor, and holds no memory until written: a
+    cache of 200-400 MB (the default engine's is several GB) raises the process's resident memory by a few
+    pages when made and read, by what is written after, and gives it back when dropped (Linux)."""
+    import gc
+
+    from rollout_ssd.kv_cache import KVCache, zeroed
+
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("resident memory is read from /proc/self/statm (Linux)")
+
+    def resident_mb() -> float:
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    before = resident_mb()
+    cache = KVCache(num_layers=4, num_slots=31, max_len=2048, num_kv_heads=3, head_dim=64, dtype=dtype)
+    size_mb = 8 * 32 * 3 * 2048 * 64 * cache.keys[0].element_size() / 2**20
+    assert size_mb >= 190
+    assert resident_mb() - before < 0.05 * size_mb
+    cache.keys[2][5] = 1.0  # one slot of one layer: 1.5 MB in float32
+    assert resident_mb() - before < 0.05 * size_mb
+    assert all(t.dtype == dtype and t.shape == (32, 3, 2048, 64) and t.is_contiguous() for t in cache.keys + cache.values)
+    assert torch.count_nonzero(cache.keys[2]) == 3 * 2048 * 64 and torch.count_nonzero(cache.keys[2][5] - 1) == 0
+    assert all(torch.count_nonzero(t) == 0 for t in cache.keys[:2] + cache.keys[3:] + cache.values)
+    written = zeroed((64, 2**20), torch.float32)  # 256 MB, all written
+    written.fill_(2.0)
+    peak = resident_mb()
+    assert peak - before > 200
+    del written, cache
+    gc.collect()
+    assert peak - resident_mb() > 200  # unmapped with the tensors
+    assert torch.equal(zeroed((0, 3), dtype), torch.zeros(0, 3, dtype=dtype))
 
 
 def test_tree_append_matches_hf(tiny):

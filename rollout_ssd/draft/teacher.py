@@ -10,7 +10,7 @@ plain lists and tensors only, so it loads with torch.load(weights_only=True).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -33,20 +33,29 @@ class TeacherSample:
 
 
 @torch.no_grad()
-def save_samples(path, samples: Sequence[TeacherSample], next_prompt: int) -> None:
+def save_samples(path, samples: Sequence[TeacherSample], next_prompt: int, prompt_set: Optional[dict] = None) -> None:
     """A data cache of plain lists, ints and host tensors (loadable with torch.load(weights_only=True) on
-    any machine: tensors made on a GPU are copied to the host)."""
-    torch.save({"format": "teacher-samples-v1", "next_prompt": int(next_prompt),
+    any machine: tensors made on a GPU are copied to the host). `prompt_set`: plain values naming the
+    prompt list that `next_prompt` indexes (a run that samples more from the cache must have the same)."""
+    torch.save({"format": "teacher-samples-v1", "next_prompt": int(next_prompt), "prompt_set": dict(prompt_set or {}),
                 "token_ids": [list(s.token_ids) for s in samples], "prompt_len": [int(s.prompt_len) for s in samples],
                 "topk_ids": [s.topk_ids.cpu() for s in samples], "topk_logp": [s.topk_logp.cpu() for s in samples]},
                path)
 
 
-def load_samples(path) -> tuple[list[TeacherSample], int]:
-    """(samples, next_prompt) from `save_samples`'s file, unpickling nothing but tensors and plain data."""
+def load_samples(path, prompt_set: Optional[dict] = None) -> tuple[list[TeacherSample], int]:
+    """(samples, next_prompt) from `save_samples`'s file, unpickling nothing but tensors and plain data.
+    With `prompt_set` (a run that will sample more): ValueError where the cache records another prompt
+    list, whose indices `next_prompt` would then misread (a cache from before the record is taken as is)."""
     data = torch.load(path, weights_only=True)
     if not isinstance(data, dict) or data.get("format") != "teacher-samples-v1":
         raise ValueError(f"{path}: not a teacher-samples-v1 data cache")
+    recorded = data.get("prompt_set") or {}
+    if prompt_set is not None and recorded and recorded != prompt_set:
+        differ = sorted(k for k in set(recorded) | set(prompt_set) if recorded.get(k) != prompt_set.get(k))
+        said = "; ".join(f"{k}: cache {recorded.get(k)!r}, this run {prompt_set.get(k)!r}" for k in differ)
+        raise ValueError(f"{path}: sampled from another prompt list ({said}); sampling on from its next_prompt "
+                         f"would take other prompts. Use another --data-cache or the same prompt options")
     fields = zip(data["token_ids"], data["prompt_len"], data["topk_ids"], data["topk_logp"])
     return [TeacherSample(list(t), int(p), ids, logp) for t, p, ids, logp in fields], int(data["next_prompt"])
 
