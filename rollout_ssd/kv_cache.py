@@ -9,19 +9,50 @@ Dead entries are still read (masked) where a batch's rows differ in length, so t
 cache starts as zeros. On a CPU those are pages of an anonymous private mapping, which read as zeros and
 are backed by memory only where written: a cache sized for every slot at the full context costs neither
 the time to clear it nor its memory until slots are used (torch.zeros would write all of it at once).
+Pages the forwards' writes faulted in one at a time would cost far more than the same pages backed in
+bulk (in a VM, bench/RESULTS.md "A new engine's start"), so the runner backs each slot ahead of its writes
+(`KVCache.back`, Linux's MADV_POPULATE_WRITE: contents unchanged) a chunk of positions at a time.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
+import os
+from typing import Sequence
 
 import torch
+
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14: back a range with memory as a write would, contents unchanged
+BACK_CHUNK = 256  # positions a slot is backed ahead by, at once
+_madvise = None  # libc's madvise once looked up; False where there is none
+
+
+def populate(address: int, nbytes: int) -> bool:
+    """Back [address, address + nbytes) with memory now (whole pages); False where the OS cannot."""
+    global _madvise
+    if _madvise is None:
+        try:
+            _madvise = ctypes.CDLL(None, use_errno=True).madvise
+            _madvise.argtypes, _madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+        except (OSError, AttributeError):
+            _madvise = False
+    if _madvise is False:
+        return False
+    page = mmap.PAGESIZE
+    start = address - address % page
+    return _madvise(start, nbytes + address - start, MADV_POPULATE_WRITE) == 0
+
+
+def lazily_backed(device: torch.device | str) -> bool:
+    """Whether `zeroed` maps pages on first write on this device (a CPU with anonymous mappings)."""
+    return torch.device(device).type == "cpu" and hasattr(mmap, "MAP_ANONYMOUS") and os.name == "posix"
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """A tensor of zeros; on a CPU, untouched until written (pages of an anonymous private mapping)."""
-    if torch.device(device).type != "cpu":
+    if not lazily_backed(device):
         return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)
     nbytes = count * torch.empty((), dtype=dtype).element_size()
@@ -43,10 +74,37 @@ class KVCache:
         self.max_len = max_len
         self.scratch_slot = num_slots
         self.lengths = [0] * num_slots
+        self._lazy = lazily_backed(device)  # `back` has work to do (until the OS says it cannot)
+        self._backed = [0] * (num_slots + 1)  # per slot (scratch included): positions [0, n) backed
+        self._row_bytes = head_dim * self.keys[0].element_size()
+        self._num_kv_heads = num_kv_heads
         self._free = list(range(num_slots - 1, -1, -1))
         # called as fn(src, dst, length, moved) after `copy` (moved False) and `move_down` (True): for
         # whoever tracks slots by the forwards it sees (draft/on_policy.py's TeacherTap), which these skip
         self.observers: list = []
+
+    def back(self, slots: Sequence[int], ends: Sequence[int]) -> None:
+        """Back positions [0, end) of each slot with memory before they are written (up to the next
+        BACK_CHUNK boundary, one madvise per layer tensor and head), where the cache is lazily mapped.
+        Contents stay as they are, so it is safe in any order with writes; where the OS cannot, pages are
+        faulted in by the writes themselves as before."""
+        if not self._lazy:
+            return
+        for slot, end in zip(slots, ends):
+            if end > self._backed[slot]:
+                self._back(slot, end)
+
+    def _back(self, slot: int, end: int) -> None:
+        lo = self._backed[slot]
+        hi = min(self.max_len, -(-max(end, lo + 1) // BACK_CHUNK) * BACK_CHUNK)
+        head_bytes = self.max_len * self._row_bytes
+        for cache in (*self.keys, *self.values):
+            base = cache.data_ptr() + slot * self._num_kv_heads * head_bytes + lo * self._row_bytes
+            for h in range(self._num_kv_heads):
+                if not populate(base + h * head_bytes, (hi - lo) * self._row_bytes):
+                    self._lazy = False  # not Linux >= 5.14: the writes fault their pages in
+                    return
+        self._backed[slot] = hi
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -93,6 +151,7 @@ class KVCache:
             fn(src, dst, length, False)
 
     def _copy(self, src: int, dst: int, length: int) -> None:
+        self.back([dst], [length])
         for cache in (*self.keys, *self.values):
             cache[dst, :, :length] = cache[src, :, :length]
         self.lengths[dst] = length

@@ -74,6 +74,8 @@ class ModelRunner:
         if min(num_new) < 1:
             raise ValueError("every row needs at least one new token")
         t_max = max(num_new)
+        # the positions this forward writes (padded rows: the scratch slot's first t_max), backed first
+        self.cache.back([*slots, self.cache.scratch_slot], [self.cache.lengths[s] + n for s, n in zip(slots, num_new)] + [t_max])
         if self.static is not None and positions is None and mask is None and spans is None:
             t = self.static.step_tokens(slots, num_new)
             out = None if t is None else self.static.run(list(slots), tokens, last_only, head_only, t=t)

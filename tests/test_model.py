@@ -177,6 +177,72 @@ def test_kv_cache_starts_as_zeros_backed_only_where_written(dtype):
     assert torch.equal(zeroed((0, 3), dtype), torch.zeros(0, 3, dtype=dtype))
 
 
+def _populate_works() -> bool:
+    import mmap
+
+    from rollout_ssd.kv_cache import populate
+
+    pages = mmap.mmap(-1, 1 << 16, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return populate(torch.frombuffer(pages, dtype=torch.uint8).data_ptr(), 1 << 16)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm") or not _populate_works(),
+                    reason="needs Linux >= 5.14 (MADV_POPULATE_WRITE) and /proc/self/statm")
+def test_kv_cache_backs_a_slot_ahead_of_its_writes_without_changing_it():
+    """`back` gives a slot's positions [0, end) memory up to the next chunk boundary (one chunk of 256
+    positions here: 8 tensors x 3 heads x 256 x 64 float32 = 1.5 MiB), leaves what the slot holds as it was,
+    does nothing for positions already backed, and where the OS cannot, stops trying and changes nothing."""
+    from rollout_ssd import kv_cache
+    from rollout_ssd.kv_cache import BACK_CHUNK, KVCache
+
+    def resident_mb() -> float:
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    assert BACK_CHUNK == 256
+    cache = KVCache(num_layers=4, num_slots=7, max_len=2048, num_kv_heads=3, head_dim=64, dtype=torch.float32)
+    held = torch.arange(10 * 64, dtype=torch.float32).view(10, 64)
+    cache.keys[1][2, 1, :10] = held  # one page of one head
+    before = resident_mb()
+    cache.back([2], [200])
+    grown = resident_mb() - before
+    assert 1.5 - 0.1 < grown < 1.5 + 0.5, grown
+    assert torch.equal(cache.keys[1][2, 1, :10], held) and torch.count_nonzero(cache.keys[1][2]) == held.count_nonzero()
+    before = resident_mb()
+    cache.back([2], [256])  # within what is backed: nothing to do
+    for t in (*cache.keys, *cache.values):
+        t[2, :, :256] = 1.0  # written where backed: no new memory
+    assert resident_mb() - before < 0.2
+    cache.back([2, cache.scratch_slot], [257, 3])  # the next chunk of slot 2, and the scratch slot's first
+    assert resident_mb() - before > 2 * 1.5 - 0.1
+
+    failing = KVCache(num_layers=1, num_slots=2, max_len=512, num_kv_heads=1, head_dim=8, dtype=torch.float32)
+    original = kv_cache.populate
+    try:
+        kv_cache.populate = lambda address, nbytes: False
+        failing.back([0], [10])
+    finally:
+        kv_cache.populate = original
+    assert not failing._lazy and failing._backed == [0, 0, 0]
+    failing.back([0], [10])  # no longer tried
+    assert failing._backed == [0, 0, 0]
+    failing.keys[0][0, 0, :10] = 2.0  # writes still land (their own page faults)
+    assert float(failing.keys[0][0].sum()) == 2.0 * 10 * 8
+
+
+@pytest.mark.skipif(not _populate_works(), reason="needs Linux >= 5.14 (MADV_POPULATE_WRITE)")
+def test_runner_backs_every_position_it_writes(tiny):
+    """Each forward backs the slots' positions it writes (and the scratch slot's, for padded rows) first."""
+    _, loaded = tiny
+    runner = ModelRunner(loaded.model, num_slots=3, max_len=600)
+    slots = [runner.allocate() for _ in range(3)]
+    runner.prefill(slots, [list(range(1, 6)), [1 + i % 80 for i in range(100)], [7]])
+    for _ in range(3):
+        runner.decode(slots, [1, 2, 3])
+    cache = runner.cache
+    assert cache._lazy and all(cache._backed[s] >= cache.lengths[s] for s in slots)
+    assert cache._backed[slots[1]] == 256 and cache._backed[cache.scratch_slot] >= 100
+
+
 def test_tree_append_matches_hf(tiny):
     """A multi-token append with explicit positions and a tree mask: siblings b1 and b2 both follow a
     (same position), b2 does not see b1, c follows b2. Each token's logits equal transformers' on the
