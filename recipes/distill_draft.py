@@ -85,11 +85,17 @@ def temperature_mix(spec: str, n: int, seed: int) -> list[float]:
 def sample_data(args, target, prompt_ids):
     from rollout_ssd.draft import on_policy, teacher
 
-    samples, next_prompt = [], args.first_prompt
-    if args.data_cache and Path(args.data_cache).is_file():  # sampling on from it needs the same prompt list
-        samples, next_prompt = teacher.load_samples(args.data_cache, prompt_set(args) if args.tokens > 0 else None)
+    samples, next_prompt, recorded = [], args.first_prompt, None
+    if args.data_cache and Path(args.data_cache).is_file():
+        cache = teacher.load_cache(args.data_cache)
+        samples, next_prompt, recorded = cache.samples, cache.next_prompt, cache.prompt_set
         log.info("loaded %d cached samples (%d tokens) from %s", len(samples),
                  sum(s.num_completion for s in samples), args.data_cache)
+    if recorded is not None and sum(s.num_completion for s in samples) < args.tokens and next_prompt < len(prompt_ids):
+        teacher.check_prompt_set(args.data_cache, recorded, prompt_set(args))  # sampling on: the same prompt list
+        if not recorded:
+            log.warning("%s records no prompt list (made before the record): sampling on from prompt %d of "
+                        "this run's, %s, which it will record", args.data_cache, next_prompt, prompt_set(args))
     temps = temperature_mix(args.temperatures, len(prompt_ids), args.seed)
     deadline = time.monotonic() + args.data_minutes * 60
     start_t = time.monotonic()

@@ -11,12 +11,16 @@ are backed by memory only where written: a cache sized for every slot at the ful
 the time to clear it nor its memory until slots are used (torch.zeros would write all of it at once).
 Pages the forwards' writes faulted in one at a time would cost far more than the same pages backed in
 bulk (in a VM, bench/RESULTS.md "A new engine's start"), so the runner backs each slot ahead of its writes
-(`KVCache.back`, Linux's MADV_POPULATE_WRITE: contents unchanged) a chunk of positions at a time.
+(`KVCache.back`, Linux's MADV_POPULATE_WRITE: contents unchanged) a chunk of positions at a time (whole
+huge pages where transparent huge pages are always on). One consequence: a CPU cache larger than the
+memory left is no longer refused at start-up by torch.zeros; it fails when sequences fill it, so bound it
+with `kv_cache_bytes` or `max_batch_size` on a small machine.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import math
 import mmap
 import os
@@ -29,20 +33,24 @@ BACK_CHUNK = 256  # positions a slot is backed ahead by, at once
 _madvise = None  # libc's madvise once looked up; False where there is none
 
 
-def populate(address: int, nbytes: int) -> bool:
-    """Back [address, address + nbytes) with memory now (whole pages); False where the OS cannot."""
+def populate(address: int, nbytes: int) -> int:
+    """Back [address, address + nbytes) with memory now (whole pages): 0, or the errno of the failure
+    (EINVAL or ENOSYS: the OS cannot; ENOMEM, EAGAIN, EINTR: not now)."""
     global _madvise
     if _madvise is None:
         try:
-            _madvise = ctypes.CDLL(None, use_errno=True).madvise
-            _madvise.argtypes, _madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+            fn = ctypes.CDLL(None, use_errno=True).madvise
+            fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
         except (OSError, AttributeError):
-            _madvise = False
+            fn = False
+        _madvise = fn  # published typed: another thread's first call must not use it untyped
     if _madvise is False:
-        return False
+        return errno.ENOSYS
     page = mmap.PAGESIZE
     start = address - address % page
-    return _madvise(start, nbytes + address - start, MADV_POPULATE_WRITE) == 0
+    if _madvise(start, nbytes + address - start, MADV_POPULATE_WRITE) == 0:
+        return 0
+    return ctypes.get_errno() or errno.EINVAL
 
 
 def lazily_backed(device: torch.device | str) -> bool:
@@ -76,7 +84,7 @@ class KVCache:
         self.lengths = [0] * num_slots
         self._lazy = lazily_backed(device)  # `back` has work to do (until the OS says it cannot)
         self._backed = [0] * (num_slots + 1)  # per slot (scratch included): positions [0, n) backed
-        self._row_bytes = head_dim * self.keys[0].element_size()
+        self._row_bytes = head_dim * torch.empty((), dtype=dtype).element_size()
         self._num_kv_heads = num_kv_heads
         self._free = list(range(num_slots - 1, -1, -1))
         # called as fn(src, dst, length, moved) after `copy` (moved False) and `move_down` (True): for
@@ -101,9 +109,11 @@ class KVCache:
         for cache in (*self.keys, *self.values):
             base = cache.data_ptr() + slot * self._num_kv_heads * head_bytes + lo * self._row_bytes
             for h in range(self._num_kv_heads):
-                if not populate(base + h * head_bytes, (hi - lo) * self._row_bytes):
-                    self._lazy = False  # not Linux >= 5.14: the writes fault their pages in
-                    return
+                err = populate(base + h * head_bytes, (hi - lo) * self._row_bytes)
+                if err in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
+                    self._lazy = False  # not Linux >= 5.14: the writes fault their pages in from now on
+                if err:
+                    return  # (ENOMEM, EAGAIN, EINTR: tried again at this slot's next forward)
         self._backed[slot] = hi
 
     @staticmethod

@@ -376,3 +376,43 @@ def test_provenance_names_the_drafts_own_layer_count(tmp_path):
     text = path.read_text()
     assert "- 2 Llama layers" in text and "first\n  2 layers and final norm (by the run that made the warm start)" in text
     assert "6 Llama layers" not in text and "Warm-started from `some/draft`" in text
+
+
+def test_recipe_checks_the_prompt_list_only_where_it_samples_on(tmp_path, monkeypatch, caplog):
+    """`sample_data` refuses to sample on from a cache of another prompt list, trains from it where it
+    holds the tokens asked for already, and samples on from a cache made before the record (with a
+    warning), which then records this run's list."""
+    import logging
+
+    import torch
+
+    import recipes.distill_draft as recipe
+    from rollout_ssd.draft import on_policy
+    from rollout_ssd.draft.teacher import TeacherSample, load_cache, save_samples
+
+    def sample(n):
+        return [TeacherSample([1, 2, 3, 4], 2, torch.zeros(2, 2, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.float16))
+                for _ in range(n)]
+
+    asked = []
+
+    def sample_with_teacher(target, prompts, *args, **kwargs):
+        asked.append(len(prompts))
+        return sample(len(prompts))
+
+    monkeypatch.setattr(on_policy, "sample_with_teacher", sample_with_teacher)
+    path = tmp_path / "cache.pt"
+    other = {**recipe.prompt_set(recipe.parse_args(["--out", "x"])), "seed": 5}
+    save_samples(path, sample(3), next_prompt=3, prompt_set=other)  # 6 completion tokens
+    base = ["--out", "x", "--data-cache", str(path), "--chunk-prompts", "2"]
+    samples, _ = recipe.sample_data(recipe.parse_args(base + ["--tokens", "6"]), None, [[1]] * 10)
+    assert len(samples) == 3 and asked == []  # enough already: trained from as it is
+    with pytest.raises(ValueError, match="seed: cache 5, this run 0"):
+        recipe.sample_data(recipe.parse_args(base + ["--tokens", "8"]), None, [[1]] * 10)
+    assert asked == []
+    save_samples(path, sample(3), next_prompt=3)  # from before the record
+    args = recipe.parse_args(base + ["--tokens", "8"])
+    with caplog.at_level(logging.WARNING, logger=recipe.log.name):
+        samples, _ = recipe.sample_data(args, None, [[1]] * 10)
+    assert asked == [2] and len(samples) == 5 and "records no prompt list" in caplog.text
+    assert load_cache(path).prompt_set == recipe.prompt_set(args) and load_cache(path).next_prompt == 5

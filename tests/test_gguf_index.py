@@ -76,7 +76,8 @@ def test_a_changed_file_gets_a_new_index(gguf_copy, tmp_path):
     assert json.loads(_index_file(tmp_path, path).read_text())["mtime_ns"] == st.st_mtime_ns + 10**9
 
 
-@pytest.mark.parametrize("damage", ["not json", "other format", "past the end", "wrong size", "bad type", "stale stamp"])
+@pytest.mark.parametrize("damage", ["not json", "not an object", "other format", "past the end", "wrong size",
+                                    "bad type", "stale stamp", "float offset", "a name twice"])
 def test_an_unsound_index_is_rebuilt_not_used(gguf_copy, tmp_path, caplog, damage):
     path, parses = gguf_copy
     good = gguf_loader.gguf_index(path)
@@ -92,7 +93,11 @@ def test_an_unsound_index_is_rebuilt_not_used(gguf_copy, tmp_path, caplog, damag
         entry["type"] = 10**6
     elif damage == "stale stamp":
         index["size"] += 1
-    text = "{" if damage == "not json" else json.dumps(index)
+    elif damage == "float offset":
+        entry["offset"] = float(entry["offset"])
+    elif damage == "a name twice":
+        index["tensors"][4]["name"] = entry["name"]
+    text = {"not json": "{", "not an object": "[]"}.get(damage, json.dumps(index))
     _index_file(tmp_path, path).write_text(text)
     with caplog.at_level(logging.WARNING, logger=gguf_loader.__name__):
         rebuilt = gguf_loader.gguf_index(path)
@@ -110,3 +115,14 @@ def test_a_read_only_cache_still_loads(gguf_copy, tmp_path, monkeypatch, caplog)
         gguf_loader.gguf_index(path)
     assert len(parses) == 2 and index["tensors"]
     assert "could not keep the GGUF index" in caplog.text
+
+
+def test_a_failed_write_leaves_no_temporary_file(gguf_copy, tmp_path, monkeypatch):
+    path, _ = gguf_copy
+
+    def refuse(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(gguf_loader.os, "replace", refuse)
+    assert gguf_loader.gguf_index(path)["tensors"]
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []

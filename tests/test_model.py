@@ -13,6 +13,7 @@ sequence, unpadded.
 from __future__ import annotations
 
 import copy
+import errno
 import os
 
 import pytest
@@ -180,14 +181,25 @@ def test_kv_cache_starts_as_zeros_backed_only_where_written(dtype):
 def _populate_works() -> bool:
     import mmap
 
-    from rollout_ssd.kv_cache import populate
+    from rollout_ssd.kv_cache import lazily_backed, populate
 
+    if not lazily_backed("cpu"):
+        return False
     pages = mmap.mmap(-1, 1 << 16, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return populate(torch.frombuffer(pages, dtype=torch.uint8).data_ptr(), 1 << 16)
+    return populate(torch.frombuffer(pages, dtype=torch.uint8).data_ptr(), 1 << 16) == 0
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/statm") or not _populate_works(),
-                    reason="needs Linux >= 5.14 (MADV_POPULATE_WRITE) and /proc/self/statm")
+def _huge_pages_always() -> bool:
+    """Transparent huge pages on for every mapping: resident memory then grows by 2 MiB pages."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[always]" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm") or not _populate_works() or _huge_pages_always(),
+                    reason="needs Linux >= 5.14 (MADV_POPULATE_WRITE), /proc/self/statm and 4 KiB pages")
 def test_kv_cache_backs_a_slot_ahead_of_its_writes_without_changing_it():
     """`back` gives a slot's positions [0, end) memory up to the next chunk boundary (one chunk of 256
     positions here: 8 tensors x 3 heads x 256 x 64 float32 = 1.5 MiB), leaves what the slot holds as it was,
@@ -218,7 +230,10 @@ def test_kv_cache_backs_a_slot_ahead_of_its_writes_without_changing_it():
     failing = KVCache(num_layers=1, num_slots=2, max_len=512, num_kv_heads=1, head_dim=8, dtype=torch.float32)
     original = kv_cache.populate
     try:
-        kv_cache.populate = lambda address, nbytes: False
+        kv_cache.populate = lambda address, nbytes: errno.ENOMEM  # not now: tried again next time
+        failing.back([0], [10])
+        assert failing._lazy and failing._backed == [0, 0, 0]
+        kv_cache.populate = lambda address, nbytes: errno.EINVAL  # the OS cannot: not tried again
         failing.back([0], [10])
     finally:
         kv_cache.populate = original

@@ -43,21 +43,39 @@ def save_samples(path, samples: Sequence[TeacherSample], next_prompt: int, promp
                path)
 
 
-def load_samples(path, prompt_set: Optional[dict] = None) -> tuple[list[TeacherSample], int]:
-    """(samples, next_prompt) from `save_samples`'s file, unpickling nothing but tensors and plain data.
-    With `prompt_set` (a run that will sample more): ValueError where the cache records another prompt
-    list, whose indices `next_prompt` would then misread (a cache from before the record is taken as is)."""
+@dataclass
+class DataCache:
+    samples: list[TeacherSample]
+    next_prompt: int
+    prompt_set: dict  # what `save_samples` was told of the prompt list ({} for a cache from before the record)
+
+
+def load_cache(path) -> DataCache:
+    """`save_samples`'s file, unpickling nothing but tensors and plain data."""
     data = torch.load(path, weights_only=True)
     if not isinstance(data, dict) or data.get("format") != "teacher-samples-v1":
         raise ValueError(f"{path}: not a teacher-samples-v1 data cache")
-    recorded = data.get("prompt_set") or {}
-    if prompt_set is not None and recorded and recorded != prompt_set:
+    fields = zip(data["token_ids"], data["prompt_len"], data["topk_ids"], data["topk_logp"])
+    return DataCache([TeacherSample(list(t), int(p), ids, logp) for t, p, ids, logp in fields], int(data["next_prompt"]),
+                     dict(data.get("prompt_set") or {}))
+
+
+def check_prompt_set(path, recorded: dict, prompt_set: dict) -> None:
+    """ValueError where a cache records another prompt list than a run that samples on from it: its
+    next_prompt would index the other list (a cache without a record passes)."""
+    if recorded and recorded != prompt_set:
         differ = sorted(k for k in set(recorded) | set(prompt_set) if recorded.get(k) != prompt_set.get(k))
         said = "; ".join(f"{k}: cache {recorded.get(k)!r}, this run {prompt_set.get(k)!r}" for k in differ)
         raise ValueError(f"{path}: sampled from another prompt list ({said}); sampling on from its next_prompt "
                          f"would take other prompts. Use another --data-cache or the same prompt options")
-    fields = zip(data["token_ids"], data["prompt_len"], data["topk_ids"], data["topk_logp"])
-    return [TeacherSample(list(t), int(p), ids, logp) for t, p, ids, logp in fields], int(data["next_prompt"])
+
+
+def load_samples(path, prompt_set: Optional[dict] = None) -> tuple[list[TeacherSample], int]:
+    """(samples, next_prompt) of `load_cache`; with `prompt_set`, checked by `check_prompt_set` first."""
+    cache = load_cache(path)
+    if prompt_set is not None:
+        check_prompt_set(path, cache.prompt_set, prompt_set)
+    return cache.samples, cache.next_prompt
 
 
 def topk_logp(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

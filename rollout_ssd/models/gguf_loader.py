@@ -5,7 +5,9 @@ included, which is most of a GGUF load's time. What the weights need of it (the 
 tensor's type, shape and byte range) is kept after the first load as a small JSON index in
 `$ROLLOUT_SSD_CACHE/gguf` (models/loader.py's cache_root), keyed by the file's path, size and mtime; later loads
 read the tensors straight from a memory map of the file. An index that is missing, of another format or
-inconsistent with the file is rebuilt from the reader; nothing but JSON is read from the cache.
+one that does not fit the file (a byte range outside it or of the wrong size, a name twice) is rebuilt from
+the reader; nothing but JSON is read from the cache. The file's identity is its path, size and mtime, as
+for the tokenizer cache: an index is trusted to describe the file it was built from.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ BLOCK_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
-INDEX_FORMAT = 1
+INDEX_FORMAT = 1  # raise it whenever gguf_config_fields or the tensor table change: older indexes are rebuilt
 # numpy dtype of a tensor's stored items: these types as themselves, every quantized type as raw bytes
 PLAIN_TYPES = {"F32": "float32", "F16": "float16", "F64": "float64", "I8": "int8", "I16": "int16",
                "I32": "int32", "I64": "int64"}
@@ -149,16 +151,20 @@ def gguf_index(path: Path) -> dict:
         return index
     except FileNotFoundError:
         pass
-    except (OSError, ValueError, KeyError, TypeError) as err:  # unreadable or unsound: parse the file again
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:  # unreadable or unsound: parse again
         log.warning("rebuilding the GGUF index %s: %s", cached, err)
     index = {**stamp, "source": str(path.resolve()), **_read_index(path)}
     _check_index(index, stamp)
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cached.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(index, f)
-        os.replace(tmp, cached)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(index, f)
+            os.replace(tmp, cached)
+        except BaseException:
+            os.unlink(tmp)
+            raise
     except OSError as err:  # a read-only cache still loads, just slower next time
         log.warning("could not keep the GGUF index in %s: %s", cached, err)
     return index
@@ -179,8 +185,11 @@ def _read_index(path: Path) -> dict:
 
 
 def _check_index(index: dict, stamp: dict) -> None:
-    """ValueError unless `index` is of this format and file, and every tensor's bytes lie in the file and
-    fill its shape (a stale or damaged index must not read the wrong bytes)."""
+    """ValueError unless `index` is of this format and file, names each tensor once, and every tensor's bytes
+    lie in the file and fill its shape (a stale or damaged index must not read outside the file or fail
+    later, at the load)."""
+    if not isinstance(index, dict):
+        raise ValueError(f"index is a {type(index).__name__}, not an object")
     for key, value in stamp.items():
         if index.get(key) != value:
             raise ValueError(f"index {key} {index.get(key)!r} is not the file's {value!r}")
@@ -188,10 +197,17 @@ def _check_index(index: dict, stamp: dict) -> None:
         raise ValueError("index has no model_type or config")
     import gguf
 
+    def integer(x) -> bool:
+        return type(x) is int and x >= 0
+
+    names = [entry["name"] for entry in index["tensors"]]
+    if len(set(names)) != len(names):
+        raise ValueError("index names a tensor twice")
     for entry in index["tensors"]:
         gguf.GGMLQuantizationType(entry["type"])  # ValueError if it names no type
         if entry["dtype"] not in (*PLAIN_TYPES.values(), "uint8") or not isinstance(entry["name"], str) \
-                or not all(isinstance(d, int) and d >= 0 for d in entry["shape"]):
+                or not all(integer(d) for d in entry["shape"]) or not integer(entry["offset"]) \
+                or not integer(entry["nbytes"]):
             raise ValueError(f"index entry {entry!r} is malformed")
         itemsize = np.dtype(entry["dtype"]).itemsize
         if entry["offset"] < 0 or entry["offset"] + entry["nbytes"] > stamp["size"] \
