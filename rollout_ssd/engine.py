@@ -161,16 +161,26 @@ class RolloutEngine:
         if spec.method == "ssd" and spec.draft_device is None:
             spec = dataclasses.replace(spec, draft_device=str(draft_dev or default_draft_device(dev)))
         reject_unknown(EngineConfig, engine_options)
-        loaded = load_pretrained(target, dtype=dtype)
-        loaded.model.to(dev)
-        draft_loaded = None
         if draft == INT4_DRAFT and spec.method == "ssd" and spec.draft_device not in (None, "cpu"):
             raise ValueError(f"draft='target-int4' runs on a CPU (torch's CPU int4 kernel), "
                              f"got draft_device={spec.draft_device!r}")
-        if draft is not None:
-            draft_loaded = load_draft(draft, loaded, target, dtype)
-            draft_loaded.model.to(dev)  # shared tensors (the embedding; an int4 draft's all) are there already
-        return cls(loaded, spec, EngineConfig(**engine_options), draft_loaded)
+        worker_process = spec.method == "ssd" and spec.worker and draft is not None \
+            and torch.device(spec.draft_device).type == "cpu"
+        if worker_process:  # its interpreter imports on another core while the models load
+            from rollout_ssd.ssd import worker_client
+
+            worker_client.prestart()
+        try:
+            loaded = load_pretrained(target, dtype=dtype)
+            loaded.model.to(dev)
+            draft_loaded = None
+            if draft is not None:
+                draft_loaded = load_draft(draft, loaded, target, dtype)
+                draft_loaded.model.to(dev)  # shared tensors (the embedding; an int4 draft's all) are there already
+            return cls(loaded, spec, EngineConfig(**engine_options), draft_loaded)
+        finally:
+            if worker_process:  # taken by the engine's draft side, or not needed after all
+                worker_client.dismiss_spare()
 
     # ------------------------------------------------------------------ generation
     def sample(self, prompts: Seq[Prompt], params: Optional[SamplingParams] = None,

@@ -448,3 +448,57 @@ def test_the_sd_round_that_makes_the_in_process_speculator_times_nothing(pair, a
     # SD's drafting is timed where a chain was drafted (not in a last round with no room left for one)
     assert len(sd_rounds) - 2 <= est.times_measured("plain_draft", 1) <= len(sd_rounds) - 1
     engine.close()
+
+
+def test_a_worker_started_ahead_is_taken_by_its_engine_or_dismissed(pair, ar_out, monkeypatch, tmp_path):
+    """`from_pretrained` starts the worker's interpreter before it loads the models; the engine's draft
+    side takes that process (greedy still equals AR), and a construction that fails ends it."""
+    import time
+
+    from rollout_ssd import RolloutEngine, SpecConfig
+    from rollout_ssd.ssd import worker_client
+
+    started = []
+
+    class Recorded(worker_client._WorkerProcess):
+        def __init__(self, *args):
+            super().__init__(*args)
+            started.append(self)
+
+    monkeypatch.setattr(worker_client, "_WorkerProcess", Recorded)
+    spec = SpecConfig(method="ssd", k=3, strategy_rule=False, rule_cache=False)
+    with RolloutEngine.from_pretrained(pair[0].source, draft=pair[1].source, spec=spec, dtype="float32",
+                                       max_batch_size=3, max_model_len=128) as engine:
+        assert len(started) == 1 and engine.strategy.client.pid == started[0].pid  # the spare, taken
+        assert worker_client._spare is None
+        assert [r.token_ids for r in engine.sample(PROMPTS, GREEDY)] == ar_out
+    assert not started[0].is_alive()
+    with pytest.raises(ValueError):
+        RolloutEngine.from_pretrained(pair[0].source, draft=str(tmp_path / "no-such-draft"), spec=spec, dtype="float32")
+    assert len(started) == 2 and worker_client._spare is None
+    deadline = time.monotonic() + 10
+    while started[1].is_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not started[1].is_alive()
+    assert _children() == []
+
+
+def test_a_spare_worker_whose_parent_is_gone_exits():
+    """A spare waits on its stdin: a parent that exits without dismissing it leaves it end-of-file."""
+    import subprocess
+    import sys
+    import time
+
+    code = ("import os\nfrom rollout_ssd.ssd import worker_client as w\nw.prestart()\n"
+            "print(w._spare.pid, flush=True)\nos._exit(0)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    pid = int(out.stdout.split()[-1])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
+    pytest.fail(f"the spare worker {pid} outlived its parent by 60 s")

@@ -19,6 +19,7 @@ exit) sends Shutdown, joins with a timeout, then terminates and kills, and remov
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import logging
@@ -28,6 +29,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from typing import Optional
@@ -70,15 +72,32 @@ def _write_weights(model: Decoder, path: str) -> list[tuple[str, str, tuple[int,
 
 
 class _WorkerProcess:
-    """The worker as `python -m rollout_ssd.ssd.worker_process ARGS.json`, with the few Process methods we use."""
+    """The worker as `python -m rollout_ssd.ssd.worker_process ARGS.json`, with the few Process methods we
+    use; without `args_path`, a spare that imports and then waits for its args file's path (`hand`)."""
 
-    def __init__(self, args_path: str):
+    def __init__(self, args_path: Optional[str] = None):
         env = dict(os.environ)
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        self._popen = subprocess.Popen([sys.executable, "-m", "rollout_ssd.ssd.worker_process", args_path],
-                                       stdin=subprocess.DEVNULL, env=env)
+        self._popen = subprocess.Popen([sys.executable, "-m", "rollout_ssd.ssd.worker_process", args_path or "-"],
+                                       stdin=subprocess.DEVNULL if args_path else subprocess.PIPE, env=env)
         self.pid = self._popen.pid
+
+    def hand(self, args_path: str) -> None:
+        """A spare's args (OSError where it is gone)."""
+        self._popen.stdin.write((args_path + "\n").encode())
+        self._popen.stdin.close()
+
+    def dismiss(self) -> None:
+        """End a spare that was not taken: it reads end-of-file and exits; killed if it does not."""
+        if self._popen.stdin is not None and not self._popen.stdin.closed:
+            try:
+                self._popen.stdin.close()
+            except OSError:
+                pass
+        self.join(timeout=3.0)
+        self.kill()
+        self.join(timeout=3.0)
 
     def is_alive(self) -> bool:
         return self._popen.poll() is None
@@ -100,6 +119,38 @@ class _WorkerProcess:
     def kill(self) -> None:
         if self.is_alive():
             self._popen.kill()
+
+
+_spare: Optional[_WorkerProcess] = None  # a worker interpreter started ahead of its engine (`prestart`)
+_spare_lock = threading.Lock()
+
+
+def prestart() -> None:
+    """Start a worker interpreter now, so that it imports while the caller loads its models (on another
+    core): the next `WorkerClient.start` in this process hands it its arguments instead of starting one
+    (1.3-1.5 s of an SSD engine's start on a CPU, bench/RESULTS.md). `dismiss_spare` ends one that was not
+    taken (`RolloutEngine.from_pretrained` does when it returns or fails); one whose parent exits reads
+    end-of-file and exits."""
+    global _spare
+    with _spare_lock:
+        if _spare is None or not _spare.is_alive():
+            _spare = _WorkerProcess()
+
+
+def _take_spare() -> Optional[_WorkerProcess]:
+    global _spare
+    with _spare_lock:
+        proc, _spare = _spare, None
+    return proc if proc is not None and proc.is_alive() else None
+
+
+def dismiss_spare() -> None:
+    proc = _take_spare()
+    if proc is not None:
+        proc.dismiss()
+
+
+atexit.register(dismiss_spare)
 
 
 class _Resources:
@@ -216,7 +267,15 @@ class WorkerClient(DraftClient):
         args_path = os.path.join(res.directory, "args.json")
         with open(args_path, "w") as f:
             json.dump(args, f)
-        res.proc = _WorkerProcess(args_path)
+        spare = _take_spare()
+        if spare is not None:  # started ahead (`prestart`): it has imported meanwhile
+            try:
+                spare.hand(args_path)
+                res.proc = spare
+            except OSError:
+                spare.kill()
+        if res.proc is None:
+            res.proc = _WorkerProcess(args_path)
 
         deadline = time.monotonic() + config.startup_timeout
         res.listener.settimeout(0.5)

@@ -1,7 +1,8 @@
 """The draft worker process: the SSD draft side (DraftServer) in a fresh interpreter of its own.
 
 Started by ssd/worker_client.py as `python -m rollout_ssd.ssd.worker_process ARGS.json` (a subprocess,
-not multiprocessing's spawn: the caller's __main__ is never re-imported). ARGS.json holds plain values
+not multiprocessing's spawn: the caller's __main__ is never re-imported), or as `... -`, a spare started
+while the engine loads its models, which reads ARGS.json's path from stdin once it has imported. ARGS.json holds plain values
 only (paths, sizes, the draft's ModelConfig fields, RoPE frequencies, a tensor manifest); the draft
 weights are raw tensor bytes in a shared-memory file the parent wrote, copied from here. On a CPU the
 process is pinned to its own core with one intra-op thread, so the draft builds the next cache while the
@@ -132,5 +133,13 @@ def _reply(sock, bufs: Buffers, msg: Message, seq: int) -> None:
 
 
 if __name__ == "__main__":
-    with open(sys.argv[1]) as _f:
+    if sys.argv[1] == "-":  # a spare (worker_client.prestart): imported, it waits for its args file's path
+        from rollout_ssd.ssd import draft_server, tree  # noqa: F401  (worker_main's, imported while waiting)
+
+        _path = sys.stdin.readline().strip()
+        if not _path:
+            sys.exit(0)  # dismissed, or its parent is gone
+    else:
+        _path = sys.argv[1]
+    with open(_path) as _f:
         worker_main(json.load(_f))
