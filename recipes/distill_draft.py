@@ -194,8 +194,10 @@ def main(argv=None) -> int:
 
 
 def prompt_set(args) -> dict:
-    """The options that make the training prompt list (`training_texts`), as kept with the data cache."""
-    names = ["num_prompts", "heldout_prompts", "seed", "prompt_mix"] + (["original_range"] if args.prompt_mix == "varied" else [])
+    """The options that make the training prompt list (`training_texts`) and its token ids (the target's
+    tokenizer; the target is also the teacher of every sample), as kept with the data cache."""
+    names = ["target", "num_prompts", "heldout_prompts", "seed", "prompt_mix"] + \
+        (["original_range"] if args.prompt_mix == "varied" else [])
     return {name: getattr(args, name) for name in names}
 
 

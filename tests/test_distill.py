@@ -331,8 +331,8 @@ def test_data_cache_records_the_prompt_list_its_index_counts_in(tmp_path):
     samples = [TeacherSample([1, 2, 3], 1, torch.zeros(2, 2, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.float16))]
     templates = recipe.prompt_set(recipe.parse_args(["--out", "x"]))
     varied = recipe.prompt_set(recipe.parse_args(["--out", "x", "--prompt-mix", "varied", "--original-range", "10:20"]))
-    assert templates == {"num_prompts": templates["num_prompts"], "heldout_prompts": templates["heldout_prompts"],
-                         "seed": 0, "prompt_mix": "templates"}
+    assert templates == {"target": "smollm2-135m-instruct", "num_prompts": templates["num_prompts"],
+                         "heldout_prompts": templates["heldout_prompts"], "seed": 0, "prompt_mix": "templates"}
     assert varied == {**templates, "prompt_mix": "varied", "original_range": "10:20"}
     path = tmp_path / "cache.pt"
     save_samples(path, samples, next_prompt=5, prompt_set=varied)
