@@ -49,7 +49,7 @@ def main(argv=None):
                     if libc.madvise(t.data_ptr(), t.numel() * t.element_size(), MADV_DONTNEED) != 0:
                         raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed")
                 cache._backed = [0] * len(cache._backed)
-                cache._lazy = mode == "backed"
+                cache.backs_ahead = mode == "backed"
                 if mode == "present":
                     for t in tensors:
                         t.zero_()

@@ -63,7 +63,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     if not lazily_backed(device):
         return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    nbytes = count * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -82,9 +82,9 @@ class KVCache:
         self.max_len = max_len
         self.scratch_slot = num_slots
         self.lengths = [0] * num_slots
-        self._lazy = lazily_backed(device)  # `back` has work to do (until the OS says it cannot)
+        self.backs_ahead = lazily_backed(device)  # `back` has work to do (until the OS says it cannot)
         self._backed = [0] * (num_slots + 1)  # per slot (scratch included): positions [0, n) backed
-        self._row_bytes = head_dim * torch.empty((), dtype=dtype).element_size()
+        self._row_bytes = head_dim * dtype.itemsize
         self._num_kv_heads = num_kv_heads
         self._free = list(range(num_slots - 1, -1, -1))
         # called as fn(src, dst, length, moved) after `copy` (moved False) and `move_down` (True): for
@@ -96,7 +96,7 @@ class KVCache:
         BACK_CHUNK boundary, one madvise per layer tensor and head), where the cache is lazily mapped.
         Contents stay as they are, so it is safe in any order with writes; where the OS cannot, pages are
         faulted in by the writes themselves as before."""
-        if not self._lazy:
+        if not self.backs_ahead:
             return
         for slot, end in zip(slots, ends):
             if end > self._backed[slot]:
@@ -111,7 +111,7 @@ class KVCache:
             for h in range(self._num_kv_heads):
                 err = populate(base + h * head_bytes, (hi - lo) * self._row_bytes)
                 if err in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
-                    self._lazy = False  # not Linux >= 5.14: the writes fault their pages in from now on
+                    self.backs_ahead = False  # not Linux >= 5.14: the writes fault their pages in from now on
                 if err:
                     return  # (ENOMEM, EAGAIN, EINTR: tried again at this slot's next forward)
         self._backed[slot] = hi

@@ -78,8 +78,9 @@ class ModelRunner:
         t = self.static.step_tokens(slots, num_new) if static else None
         # the positions this forward writes (a static step pads each row to t; padded rows write the
         # scratch slot's first positions), backed first
-        ends = [self.cache.lengths[s] + max(n, t or 0) for s, n in zip(slots, num_new)]
-        self.cache.back([*slots, self.cache.scratch_slot], ends + [max(t_max, t or 0)])
+        if self.cache.backs_ahead:
+            ends = [self.cache.lengths[s] + max(n, t or 0) for s, n in zip(slots, num_new)]
+            self.cache.back([*slots, self.cache.scratch_slot], ends + [max(t_max, t or 0)])
         if static:
             out = None if t is None else self.static.run(list(slots), tokens, last_only, head_only, t=t)
             if out is not None:  # None: no step for these rows, or its compile failed (then eager from now on)

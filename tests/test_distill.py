@@ -326,7 +326,7 @@ def test_data_cache_records_the_prompt_list_its_index_counts_in(tmp_path):
     import torch
 
     import recipes.distill_draft as recipe
-    from rollout_ssd.draft.teacher import TeacherSample, load_samples, save_samples
+    from rollout_ssd.draft.teacher import TeacherSample, check_prompt_set, load_cache, save_samples
 
     samples = [TeacherSample([1, 2, 3], 1, torch.zeros(2, 2, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.float16))]
     templates = recipe.prompt_set(recipe.parse_args(["--out", "x"]))
@@ -336,14 +336,18 @@ def test_data_cache_records_the_prompt_list_its_index_counts_in(tmp_path):
     assert varied == {**templates, "prompt_mix": "varied", "original_range": "10:20"}
     path = tmp_path / "cache.pt"
     save_samples(path, samples, next_prompt=5, prompt_set=varied)
-    assert load_samples(path, varied)[1] == 5 and load_samples(path)[1] == 5
+    cache = load_cache(path)
+    assert cache.next_prompt == 5 and cache.prompt_set == varied
+    check_prompt_set(path, cache.prompt_set, varied)
     with pytest.raises(ValueError, match=r"prompt_mix: cache 'varied', this run 'templates'"):
-        load_samples(path, templates)
+        check_prompt_set(path, cache.prompt_set, templates)
     other_range = recipe.prompt_set(recipe.parse_args(["--out", "x", "--prompt-mix", "varied", "--original-range", "10:30"]))
     with pytest.raises(ValueError, match=r"original_range: cache '10:20', this run '10:30'"):
-        load_samples(path, other_range)
+        check_prompt_set(path, cache.prompt_set, other_range)
     save_samples(path, samples, next_prompt=5)  # as caches were made before the record
-    assert load_samples(path, templates)[1] == 5
+    cache = load_cache(path)
+    assert cache.next_prompt == 5 and cache.prompt_set == {}
+    check_prompt_set(path, cache.prompt_set, templates)
 
 
 def test_recipe_size_limit_defaults_to_the_packages_and_can_be_lifted():

@@ -232,12 +232,12 @@ def test_kv_cache_backs_a_slot_ahead_of_its_writes_without_changing_it():
     try:
         kv_cache.populate = lambda address, nbytes: errno.ENOMEM  # not now: tried again next time
         failing.back([0], [10])
-        assert failing._lazy and failing._backed == [0, 0, 0]
+        assert failing.backs_ahead and failing._backed == [0, 0, 0]
         kv_cache.populate = lambda address, nbytes: errno.EINVAL  # the OS cannot: not tried again
         failing.back([0], [10])
     finally:
         kv_cache.populate = original
-    assert not failing._lazy and failing._backed == [0, 0, 0]
+    assert not failing.backs_ahead and failing._backed == [0, 0, 0]
     failing.back([0], [10])  # no longer tried
     assert failing._backed == [0, 0, 0]
     failing.keys[0][0, 0, :10] = 2.0  # writes still land (their own page faults)
@@ -246,7 +246,8 @@ def test_kv_cache_backs_a_slot_ahead_of_its_writes_without_changing_it():
 
 @pytest.mark.skipif(not _populate_works(), reason="needs Linux >= 5.14 (MADV_POPULATE_WRITE)")
 def test_runner_backs_every_position_it_writes(tiny):
-    """Each forward backs the slots' positions it writes (and the scratch slot's, for padded rows) first."""
+    """Each forward backs the slots' positions it writes (and the scratch slot's, for padded rows) first,
+    and a prompt's KV copied into other slots (a GRPO group's) backs them too."""
     _, loaded = tiny
     runner = ModelRunner(loaded.model, num_slots=3, max_len=600)
     slots = [runner.allocate() for _ in range(3)]
@@ -254,8 +255,13 @@ def test_runner_backs_every_position_it_writes(tiny):
     for _ in range(3):
         runner.decode(slots, [1, 2, 3])
     cache = runner.cache
-    assert cache._lazy and all(cache._backed[s] >= cache.lengths[s] for s in slots)
+    assert cache.backs_ahead and all(cache._backed[s] >= cache.lengths[s] for s in slots)
     assert cache._backed[slots[1]] == 256 and cache._backed[cache.scratch_slot] >= 100
+
+    group = ModelRunner(loaded.model, num_slots=3, max_len=600)
+    shared = [group.allocate() for _ in range(3)]
+    group.prefill(shared, [[1 + i % 80 for i in range(300)]] * 3)  # computed in slot 0, copied into 1 and 2
+    assert [group.cache._backed[s] for s in shared] == [512, 512, 512]
 
 
 def test_tree_append_matches_hf(tiny):

@@ -70,11 +70,9 @@ def check_prompt_set(path, recorded: dict, prompt_set: dict) -> None:
                          f"would take other prompts. Use another --data-cache or the same prompt options")
 
 
-def load_samples(path, prompt_set: Optional[dict] = None) -> tuple[list[TeacherSample], int]:
-    """(samples, next_prompt) of `load_cache`; with `prompt_set`, checked by `check_prompt_set` first."""
+def load_samples(path) -> tuple[list[TeacherSample], int]:
+    """(samples, next_prompt) of `load_cache`."""
     cache = load_cache(path)
-    if prompt_set is not None:
-        check_prompt_set(path, cache.prompt_set, prompt_set)
     return cache.samples, cache.next_prompt
 
 

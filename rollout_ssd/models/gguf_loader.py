@@ -210,6 +210,5 @@ def _check_index(index: dict, stamp: dict) -> None:
                 or not integer(entry["nbytes"]):
             raise ValueError(f"index entry {entry!r} is malformed")
         itemsize = np.dtype(entry["dtype"]).itemsize
-        if entry["offset"] < 0 or entry["offset"] + entry["nbytes"] > stamp["size"] \
-                or int(np.prod(entry["shape"])) * itemsize != entry["nbytes"]:
+        if entry["offset"] + entry["nbytes"] > stamp["size"] or int(np.prod(entry["shape"])) * itemsize != entry["nbytes"]:
             raise ValueError(f"index entry {entry['name']!r} does not fit the file")
