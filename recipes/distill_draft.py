@@ -56,6 +56,9 @@ def parse_args(argv=None):
                    help="with --init-from: the head's tokens chosen again from this run's data (--head-size "
                         "most frequent; rows of tokens kept stay trained, new ones start from the target's)")
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--grow-layers", type=int, default=None,
+                   help="make a warm-started draft this many layers deep: the target's next layers, their output "
+                        "projections zeroed, so training starts from what the warm start computes (build.grow)")
     p.add_argument("--minutes", type=float, default=25.0, help="training wall-clock budget")
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--lr", type=float, default=5e-4)
@@ -71,6 +74,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.reselect_head and not args.init_from:
         p.error("--reselect-head chooses a warm-started draft's head again: it needs --init-from")
+    if args.grow_layers is not None and not args.init_from:
+        p.error("--grow-layers makes a warm-started draft deeper: it needs --init-from")
     return args
 
 
@@ -154,6 +159,10 @@ def main(argv=None) -> int:
                      set(new_head.tolist())), len(set(new_head.tolist()) - set(head.tolist())),
                      build.coverage(head, samples), build.coverage(new_head, samples))
             draft, head = build.rehead(draft, model, new_head), new_head
+        if args.grow_layers is not None:
+            log.info("grown from %d to %d layers (the target's next layers, output projections zeroed)",
+                     draft.cfg.num_layers, args.grow_layers)
+            draft = build.grow(draft, model, args.grow_layers)
     else:
         head = build.select_head_tokens(samples, args.head_size, always=model.cfg.eos_token_ids)
         draft = build.make_draft(model, head, args.layers)
@@ -241,8 +250,9 @@ def check_size_first(args, model) -> int:
         from rollout_ssd.models.config import model_config_from_hf
 
         cfg = model_config_from_hf(AutoConfig.from_pretrained(args.init_from, local_files_only=True))
-        if args.reselect_head:
-            cfg = draft_config(model.cfg, cfg.num_layers, args.head_size)
+        if args.reselect_head or args.grow_layers is not None:
+            cfg = draft_config(model.cfg, args.grow_layers or cfg.num_layers,
+                               args.head_size if args.reselect_head else cfg.head_vocab_size)
     else:
         cfg = draft_config(model.cfg, args.layers, args.head_size)
     return check_checkpoint_size(cfg, max_bytes=size_limit(args))
@@ -256,10 +266,15 @@ def write_provenance(path, command, args, split, data_tokens, num_samples, data_
     kept = ("its layers and norm; its head's tokens chosen again from this run's data, the rows of tokens it "
             "had kept as trained, new ones from the target's output rows" if args.reselect_head else
             "its layers, norm and head")
+    if args.grow_layers is not None:
+        kept += (f"; made {args.grow_layers} layers deep by `build.grow`: the target's next layers after the warm "
+                 f"start's own, their attention and MLP output projections zeroed, so the grown draft started "
+                 f"from exactly the warm start's function")
     warm = (f"\nWarm-started from `{args.init_from}` ({kept}; that checkpoint's own provenance "
             f"describes how it was made); the data below may include caches sampled by earlier runs "
             f"({', '.join(args.extra_data) or 'none'}).\n" if args.init_from else "")
-    by_warm = " (by the run that made the warm start)" if args.init_from else ""
+    by_warm = (" (by the runs that made the warm start and grew it, above)" if args.grow_layers is not None else
+               " (by the run that made the warm start)" if args.init_from else "")
     mix = ("" if args.prompt_mix == "templates" else
            f" in turn with `draft.varied_prompts.build_varied_prompts` (more kinds of request, none a held-out "
            f"template), training prompts {args.original_range} of the former")

@@ -96,6 +96,30 @@ def test_recipe_prompt_mix(monkeypatch):
     assert recipe.training_texts(args, full)[1::2] == full.train[7890:7900]
     with pytest.raises(SystemExit):
         recipe.parse_args(["--out", "x", "--reselect-head"])
+    with pytest.raises(SystemExit):
+        recipe.parse_args(["--out", "x", "--grow-layers", "4"])
+
+
+def test_recipe_checks_a_grown_drafts_size_before_the_work():
+    """--grow-layers makes the warm start deeper: the size the recipe checks before sampling or training is
+    the grown draft's (the package's limit refuses four layers of the default draft's shape; a candidate
+    without a limit is allowed, and its size grows by two layers' weights)."""
+    from transformers import AutoConfig
+
+    import recipes.distill_draft as recipe
+    from rollout_ssd.models.config import model_config_from_hf
+
+    path = str(Path(checkpoint.__file__).parent.parent / "assets/drafts/smollm2-135m-instruct-draft")
+    target = SimpleNamespace(cfg=model_config_from_hf(AutoConfig.from_pretrained(path, local_files_only=True)))
+    two = recipe.check_size_first(recipe.parse_args(["--out", "x", "--init-from", path]), target)
+    with pytest.raises(checkpoint.CheckpointTooLarge):
+        recipe.check_size_first(recipe.parse_args(["--out", "x", "--init-from", path, "--grow-layers", "4"]), target)
+    four = recipe.check_size_first(recipe.parse_args(["--out", "x", "--init-from", path, "--grow-layers", "4",
+                                                      "--max-checkpoint-bytes", "0"]), target)
+    cfg = target.cfg
+    layer = 2 * (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_heads *
+                 cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size + 2 * cfg.hidden_size)
+    assert 0 <= four - two - 2 * layer < 4096  # two layers' bfloat16 weights, and their names in the file's header
 
 
 def test_teacher_records_match_a_separate_teacher_pass(tiny_target, tiny_data):
@@ -216,6 +240,46 @@ def test_rehead_keeps_trained_rows_and_layers(tiny_target, tiny_data):
     assert all(p.requires_grad for p in build.trainable_parameters(again))
     with pytest.raises(ValueError, match="full head"):
         build.rehead(target, target, new)
+
+
+def test_grow_adds_target_layers_that_change_nothing_until_trained(tiny_target, tiny_data):
+    """A trained draft grown deeper: its layers, norm and head are kept, the new layers are the target's
+    next ones with their output projections zeroed, so the grown draft's logits equal the old draft's
+    exactly; one training step moves the new layers (the zeroed projections get gradients), so they
+    can learn."""
+    target = tiny_target.model
+    draft = build.make_draft(target, torch.arange(2, 60), num_layers=1)
+    with torch.no_grad():
+        for p in build.trainable_parameters(draft):
+            p.add_(0.05 * torch.randn_like(p))
+    before = {k: v.clone() for k, v in draft.hf_parameters().items()}
+    grown = build.grow(draft, target, 3)
+    assert len(grown.layers) == 3 and grown.cfg.num_layers == 3 and grown.embed is target.embed
+    assert torch.equal(grown.head_token_ids, draft.head_token_ids)
+    assert all(torch.equal(draft.hf_parameters()[k], v) for k, v in before.items())  # the old draft untouched
+    params, src = grown.hf_parameters(), target.hf_parameters()
+    for name, tensor in before.items():
+        if name != "model.embed_tokens.weight":
+            assert torch.equal(params[name], tensor), name
+    for i in (1, 2):
+        for part, weight in params.items():
+            if part.startswith(f"model.layers.{i}."):
+                zeroed = part.endswith(("o_proj.weight", "down_proj.weight"))
+                assert torch.equal(weight, torch.zeros_like(weight) if zeroed else src[part].float()), part
+    tokens = torch.tensor([s.token_ids for s in tiny_data[:1]])
+    with torch.no_grad():
+        assert torch.equal(draft.logits(draft.forward_train(tokens)), grown.logits(grown.forward_train(tokens)))
+    new_layer = [grown.hf_parameters()[f"model.layers.2.{n}"].clone() for n in ("mlp.down_proj.weight",
+                                                                               "self_attn.o_proj.weight")]
+    train.train_draft(grown, tiny_data, train.DistillConfig(lr=1e-2, batch_tokens=64, max_steps=2, warmup_steps=1))
+    assert all(not torch.equal(grown.hf_parameters()[f"model.layers.2.{n}"], w) for n, w in
+               zip(("mlp.down_proj.weight", "self_attn.o_proj.weight"), new_layer))
+    with pytest.raises(ValueError, match="num_layers"):
+        build.grow(draft, target, 1)
+    with pytest.raises(ValueError, match="num_layers"):
+        build.grow(draft, target, len(target.layers) + 1)
+    with pytest.raises(ValueError, match="full head"):
+        build.grow(target, target, len(target.layers))
 
 
 def test_checkpoint_size_is_checked_before_training(tiny_target, tiny_data, tmp_path):

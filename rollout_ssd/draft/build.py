@@ -105,6 +105,31 @@ def rehead(draft: Decoder, target: Decoder, head_token_ids: torch.Tensor) -> Dec
     return out
 
 
+def grow(draft: Decoder, target: Decoder, num_layers: int) -> Decoder:
+    """A trained draft made deeper without changing what it computes: its layers, norm and head, then
+    the target's layers len(draft.layers)..num_layers-1 with their output projections (attention's o_proj,
+    the MLP's down_proj) zeroed, so that each new layer adds nothing to the residual stream until
+    trained. The new layers' other weights start from the target's, so once their outputs move off zero
+    they read features the target computes at that depth. Returns a new float32 draft; `draft` is left
+    as it was."""
+    if draft.head_token_ids is None:
+        raise ValueError("grow: the draft has a full head (no head_token_ids)")
+    old = len(draft.layers)
+    if not old < num_layers <= len(target.layers):
+        raise ValueError(f"grow: num_layers must be in ({old}, {len(target.layers)}] (the draft's layers, the "
+                         f"target's), got {num_layers}")
+    out = make_draft(target, draft.head_token_ids.detach().clone(), num_layers)
+    with torch.no_grad():
+        src, dst = draft.hf_parameters(), out.hf_parameters()
+        for name, tensor in src.items():
+            if name not in ("model.embed_tokens.weight", "lm_head.token_ids"):
+                dst[name].copy_(tensor)
+        for i in range(old, num_layers):
+            for part in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+                dst[f"model.layers.{i}.{part}"].zero_()
+    return out
+
+
 def trainable_parameters(draft: Decoder) -> list[nn.Parameter]:
     return [p for name, p in draft.named_parameters() if name not in ("embed", "head_token_ids")]
 
