@@ -250,8 +250,11 @@ def check_size_first(args, model) -> int:
         from rollout_ssd.models.config import model_config_from_hf
 
         cfg = model_config_from_hf(AutoConfig.from_pretrained(args.init_from, local_files_only=True))
+        if args.grow_layers is not None and not cfg.num_layers < args.grow_layers <= model.cfg.num_layers:
+            raise ValueError(f"--grow-layers {args.grow_layers}: the grown draft must be deeper than the warm start "
+                             f"({cfg.num_layers} layers) and at most the target's depth ({model.cfg.num_layers})")
         if args.reselect_head or args.grow_layers is not None:
-            cfg = draft_config(model.cfg, args.grow_layers or cfg.num_layers,
+            cfg = draft_config(model.cfg, cfg.num_layers if args.grow_layers is None else args.grow_layers,
                                args.head_size if args.reselect_head else cfg.head_vocab_size)
     else:
         cfg = draft_config(model.cfg, args.layers, args.head_size)
@@ -269,11 +272,11 @@ def write_provenance(path, command, args, split, data_tokens, num_samples, data_
     if args.grow_layers is not None:
         kept += (f"; made {args.grow_layers} layers deep by `build.grow`: the target's next layers after the warm "
                  f"start's own, their attention and MLP output projections zeroed, so the grown draft started "
-                 f"from exactly the warm start's function")
+                 f"from exactly the function of the warm start{' with its new head' if args.reselect_head else ''}")
     warm = (f"\nWarm-started from `{args.init_from}` ({kept}; that checkpoint's own provenance "
             f"describes how it was made); the data below may include caches sampled by earlier runs "
             f"({', '.join(args.extra_data) or 'none'}).\n" if args.init_from else "")
-    by_warm = (" (by the runs that made the warm start and grew it, above)" if args.grow_layers is not None else
+    by_warm = (" (by the run that made the warm start, then this run's growth, above)" if args.grow_layers is not None else
                " (by the run that made the warm start)" if args.init_from else "")
     mix = ("" if args.prompt_mix == "templates" else
            f" in turn with `draft.varied_prompts.build_varied_prompts` (more kinds of request, none a held-out "

@@ -104,13 +104,16 @@ def test_recipe_checks_a_grown_drafts_size_before_the_work():
     """--grow-layers makes the warm start deeper: the size the recipe checks before sampling or training is
     the grown draft's (the package's limit refuses four layers of the default draft's shape; a candidate
     without a limit is allowed, and its size grows by two layers' weights)."""
+    from dataclasses import replace
+
     from transformers import AutoConfig
 
     import recipes.distill_draft as recipe
     from rollout_ssd.models.config import model_config_from_hf
 
     path = str(Path(checkpoint.__file__).parent.parent / "assets/drafts/smollm2-135m-instruct-draft")
-    target = SimpleNamespace(cfg=model_config_from_hf(AutoConfig.from_pretrained(path, local_files_only=True)))
+    draft_cfg = model_config_from_hf(AutoConfig.from_pretrained(path, local_files_only=True))
+    target = SimpleNamespace(cfg=replace(draft_cfg, num_layers=30, head_vocab_size=None))  # SmolLM2-135M's depth
     two = recipe.check_size_first(recipe.parse_args(["--out", "x", "--init-from", path]), target)
     with pytest.raises(checkpoint.CheckpointTooLarge):
         recipe.check_size_first(recipe.parse_args(["--out", "x", "--init-from", path, "--grow-layers", "4"]), target)
@@ -120,6 +123,10 @@ def test_recipe_checks_a_grown_drafts_size_before_the_work():
     layer = 2 * (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_heads *
                  cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size + 2 * cfg.hidden_size)
     assert 0 <= four - two - 2 * layer < 4096  # two layers' bfloat16 weights, and their names in the file's header
+    for depth in ("2", "0", str(cfg.num_layers + 1)):  # not deeper than the warm start, or deeper than the target
+        with pytest.raises(ValueError, match="--grow-layers"):
+            recipe.check_size_first(recipe.parse_args(["--out", "x", "--init-from", path, "--grow-layers", depth,
+                                                       "--max-checkpoint-bytes", "0"]), target)
 
 
 def test_teacher_records_match_a_separate_teacher_pass(tiny_target, tiny_data):
