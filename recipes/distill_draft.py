@@ -241,7 +241,7 @@ def size_limit(args):
 def check_size_first(args, model) -> int:
     """The draft's checkpoint size from its config, refused (CheckpointTooLarge) before any data is
     sampled or any step trained if save_draft would refuse it at the end."""
-    from rollout_ssd.draft.build import draft_config
+    from rollout_ssd.draft.build import check_grow, draft_config
     from rollout_ssd.draft.checkpoint import check_checkpoint_size
 
     if args.init_from:
@@ -250,9 +250,11 @@ def check_size_first(args, model) -> int:
         from rollout_ssd.models.config import model_config_from_hf
 
         cfg = model_config_from_hf(AutoConfig.from_pretrained(args.init_from, local_files_only=True))
-        if args.grow_layers is not None and not cfg.num_layers < args.grow_layers <= model.cfg.num_layers:
-            raise ValueError(f"--grow-layers {args.grow_layers}: the grown draft must be deeper than the warm start "
-                             f"({cfg.num_layers} layers) and at most the target's depth ({model.cfg.num_layers})")
+        if args.grow_layers is not None:
+            try:
+                check_grow(cfg.num_layers, args.grow_layers, model.cfg.num_layers)
+            except ValueError as err:
+                raise ValueError(f"--grow-layers {args.grow_layers} from the warm start {args.init_from}: {err}") from None
         if args.reselect_head or args.grow_layers is not None:
             cfg = draft_config(model.cfg, cfg.num_layers if args.grow_layers is None else args.grow_layers,
                                args.head_size if args.reselect_head else cfg.head_vocab_size)

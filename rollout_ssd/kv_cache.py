@@ -35,7 +35,7 @@ _madvise = None  # libc's madvise once looked up; False where there is none
 
 def populate(address: int, nbytes: int) -> int:
     """Back [address, address + nbytes) with memory now (whole pages): 0, or the errno of the failure
-    (EINVAL or ENOSYS: the OS cannot; ENOMEM, EAGAIN, EINTR: not now)."""
+    (EINVAL, ENOSYS or EPERM: the OS cannot, as `KVCache.back` takes them; ENOMEM, EAGAIN, EINTR: not now)."""
     global _madvise
     if _madvise is None:
         try:

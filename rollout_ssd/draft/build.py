@@ -105,6 +105,14 @@ def rehead(draft: Decoder, target: Decoder, head_token_ids: torch.Tensor) -> Dec
     return out
 
 
+def check_grow(draft_layers: int, num_layers: int, target_layers: int) -> None:
+    """ValueError unless a draft of `draft_layers` can `grow` to `num_layers`: deeper than it is, and at
+    most the target's depth (the layers it takes are the target's)."""
+    if not draft_layers < num_layers <= target_layers:
+        raise ValueError(f"grow: num_layers must be in ({draft_layers}, {target_layers}] (the draft's layers, the "
+                         f"target's), got {num_layers}")
+
+
 def grow(draft: Decoder, target: Decoder, num_layers: int) -> Decoder:
     """A trained draft made deeper without changing what it computes: its layers, norm and head, then
     the target's layers len(draft.layers)..num_layers-1 with their output projections (attention's o_proj,
@@ -115,9 +123,7 @@ def grow(draft: Decoder, target: Decoder, num_layers: int) -> Decoder:
     if draft.head_token_ids is None:
         raise ValueError("grow: the draft has a full head (no head_token_ids)")
     old = len(draft.layers)
-    if not old < num_layers <= len(target.layers):
-        raise ValueError(f"grow: num_layers must be in ({old}, {len(target.layers)}] (the draft's layers, the "
-                         f"target's), got {num_layers}")
+    check_grow(old, num_layers, len(target.layers))
     out = make_draft(target, draft.head_token_ids.detach().clone(), num_layers)
     with torch.no_grad():
         src, dst = draft.hf_parameters(), out.hf_parameters()
