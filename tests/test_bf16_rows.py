@@ -1,9 +1,10 @@
-"""The bf16 rows kernel (models/bf16_rows.py, csrc/bf16_rows.c): its error bounded against float64 at the
+"""The bf16 rows kernel (models/bf16_rows.py, csrc/bf16_rows.c), in each build this CPU runs (avx512_bf16's
+dot instruction; bf16 widened to float32 on any AVX-512 CPU): its error bounded against float64 at the
 decoder's shapes, a row's result independent of the batch it is in and of the thread count, the forms
 cpu_backend routes to it, its op inside a compiled function, the build's cache and failure path, and
 SmolLM2's bf16 decode and verify steps through it against transformers' float32 logits.
 
-Runs where the CPU has avx512_bf16 and a C compiler is found; elsewhere the kernel is off (its
+Runs where the CPU has AVX-512 (F, BW, VL) and a C compiler is found; elsewhere the kernel is off (its
 availability test says so) and the rest skips."""
 
 from __future__ import annotations
@@ -27,6 +28,22 @@ from rollout_ssd.models.weight_copies import WeightCopies
 needs_kernel = pytest.mark.skipif(not bf16_rows.available(), reason="no avx512_bf16 or no C compiler: the kernel is off")
 
 
+def builds() -> list:
+    """The kernel's builds this CPU runs: its own (`variant()`), and the widened one where that is "dot"."""
+    kind = bf16_rows.variant()
+    return [] if kind is None else [kind] + (["widened"] if kind == "dot" else [])
+
+
+def kernel_fn(kind: str):
+    """The `kind` build's function (`bf16_rows.load`), or a skip where it does not build here."""
+    if not bf16_rows.available():
+        pytest.skip("the bf16 rows kernel is off here")
+    try:
+        return bf16_rows.load(kind)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.fail(f"the {kind} build of the bf16 rows kernel does not build or load: {getattr(exc, 'stderr', exc)}")
+
+
 def case(n: int, k: int, m: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
@@ -46,11 +63,18 @@ def error_bound(x: torch.Tensor, w: torch.Tensor, bias, ref: torch.Tensor) -> to
     return (2.0 ** -8 * ref.abs() + (k + 2) * 2.0 ** -24 * mags * (1 + 2.0 ** -8)) * 1.01
 
 
-def test_available_exactly_where_the_cpu_has_avx512_bf16_and_a_compiler_builds_it(monkeypatch):
-    """Off without avx512_bf16; with it and a C compiler the kernel must build and be on (a compile error
-    fails here with the compiler's output rather than skipping every kernel test); off when turned off."""
-    if not bf16_rows.cpu_has_avx512_bf16():
+def test_available_exactly_where_the_cpu_has_avx512_and_a_compiler_builds_it(monkeypatch):
+    """Off without AVX-512 (F, BW, VL); with it and a C compiler the kernel must build and be on (a compile
+    error fails here with the compiler's output rather than skipping every kernel test), in the dot build
+    exactly where the CPU has avx512_bf16; off when turned off."""
+    flags = cpu_backend.cpu_flags()
+    expected = "dot" if {"avx512_bf16", "avx512bw", "avx512vl"} <= flags else \
+        "widened" if {"avx512f", "avx512bw", "avx512vl", "fma"} <= flags else None
+    assert bf16_rows.variant() == expected
+    if expected is None:
         assert not bf16_rows.available()
+        with pytest.raises(ValueError, match="no build for None"):
+            bf16_rows.build()
     elif shutil.which(bf16_rows.default_compiler()):
         try:
             bf16_rows.build()
@@ -62,38 +86,65 @@ def test_available_exactly_where_the_cpu_has_avx512_bf16_and_a_compiler_builds_i
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", ["dot", "widened"])
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (3072, 576), (8192, 576), (49, 34), (200, 2)])
 @pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 13, 16])
-def test_kernel_is_within_its_rounding_bound_of_float64(shape, rows):
+def test_kernel_is_within_its_rounding_bound_of_float64(kind, shape, rows):
+    if kind not in builds():
+        pytest.skip(f"the {kind} build does not run on this CPU")
+    fn = kernel_fn(kind)
     w, x, bias = case(*shape, rows, seed=rows * 1000 + shape[0])
     packed = bf16_rows.pack(w)
     for b in (None, bias):
-        out = bf16_rows.linear(x, packed, shape[0], b)
+        out = bf16_rows.linear(x, packed, shape[0], b, kernel=fn)
         assert out.shape == (rows, shape[0]) and out.dtype == torch.bfloat16
         ref = x.double() @ w.double().T + (0 if b is None else b.double())
         assert ((out.double() - ref).abs() <= error_bound(x, w, b, ref)).all()
 
 
 @needs_kernel
-def test_a_rows_result_does_not_depend_on_its_batch_or_the_thread_count():
+@pytest.mark.parametrize("kind", ["dot", "widened"])
+def test_a_rows_result_does_not_depend_on_its_batch_or_the_thread_count(kind):
+    if kind not in builds():
+        pytest.skip(f"the {kind} build does not run on this CPU")
+    fn = kernel_fn(kind)
     w, x, bias = case(1000, 576, 16, seed=7)  # 1000: the last tile of 64 is partial
     packed = bf16_rows.pack(w)
-    alone = torch.cat([bf16_rows.linear(x[i:i + 1], packed, 1000, bias) for i in range(16)])
-    for m in range(1, 17):  # groups of up to 7 rows: 8 = 4 + 4, 13 = 7 + 6, ...
-        assert torch.equal(bf16_rows.linear(x[:m], packed, 1000, bias), alone[:m]), m
-        assert torch.equal(bf16_rows.linear(x[16 - m:], packed, 1000, bias), alone[16 - m:]), m
+    alone = torch.cat([bf16_rows.linear(x[i:i + 1], packed, 1000, bias, kernel=fn) for i in range(16)])
+    for m in range(1, 17):  # groups of up to 7 (dot) or 4 (widened) rows: 8 = 4 + 4, 13 = 7 + 6 or 4 + 3 x 3, ...
+        assert torch.equal(bf16_rows.linear(x[:m], packed, 1000, bias, kernel=fn), alone[:m]), m
+        assert torch.equal(bf16_rows.linear(x[16 - m:], packed, 1000, bias, kernel=fn), alone[16 - m:]), m
     threads = torch.get_num_threads()
     try:
         for t in (1, 2, 3):
             torch.set_num_threads(t)
-            assert torch.equal(bf16_rows.linear(x, packed, 1000, bias), alone)
+            assert torch.equal(bf16_rows.linear(x, packed, 1000, bias, kernel=fn), alone)
     finally:
         torch.set_num_threads(threads)
 
 
 @needs_kernel
+def test_packed_linear_routes_every_row_count_to_the_widened_kernel():
+    """Without bf16 units (the widened build) the kernel serves every row count, also past oneDNN's limit:
+    oneDNN there emulates bf16 and is the slower at every row count measured."""
+    if bf16_rows.variant() != "widened":
+        pytest.skip("this CPU runs the dot build: oneDNN serves the rows past rows_kernel_rows()")
+    assert rows_kernel_rows() > 10 ** 6 and not cpu_backend.packed_bf16()
+    w, x, bias = case(130, 64, cpu_backend.PACKED_BF16_MAX_ROWS + 3, seed=3)
+    copies = WeightCopies()
+    for m in (1, 5, x.shape[0]):
+        got = packed_linear(x[None, :m], w, copies, "w", bias)
+        assert torch.equal(got[0], bf16_rows.linear(x[:m], bf16_rows.pack(w), 130, bias)), m
+    assert set(copies._copies) == {"w:rows"}
+    odd = case(40, 33, 2, seed=4)  # an odd k: the kernel's pairs do not apply, and no oneDNN copy: F.linear's
+    assert packed_linear(odd[1], odd[0], copies, "odd") is None
+
+
+@needs_kernel
 def test_packed_linear_routes_few_rows_to_the_kernel_and_more_to_onednn():
     """Up to rows_kernel_rows() rows (32; 2 where oneDNN has AMX tiles) the kernel, above it oneDNN."""
+    if bf16_rows.variant() != "dot":
+        pytest.skip("the widened build serves every row count (the test above)")
     assert rows_kernel_rows() == (2 if "amx_bf16" in cpu_backend.cpu_flags() else 32)
     w, x, bias = case(130, 64, rows_kernel_rows() + 1, seed=3)
     copies = WeightCopies()
@@ -188,7 +239,7 @@ def test_no_rows_and_a_column_major_weight():
     assert packed_linear(x[:0], w, WeightCopies(), "w").shape == (0, 128)
 
 
-@pytest.mark.skipif(not bf16_rows.cpu_has_avx512_bf16(), reason="the build targets avx512_bf16")
+@pytest.mark.skipif(bf16_rows.variant() is None, reason="the builds target AVX-512")
 def test_build_is_cached_by_source_and_a_failed_build_leaves_the_kernel_off(tmp_path, monkeypatch):
     monkeypatch.setenv("ROLLOUT_SSD_KERNEL_CACHE", str(tmp_path))
     if not shutil.which(bf16_rows.default_compiler()):
@@ -200,7 +251,8 @@ def test_build_is_cached_by_source_and_a_failed_build_leaves_the_kernel_off(tmp_
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left
     if shutil.which(bf16_rows.default_compiler(op=True)):  # the op's C++ kernel: its own key, which holds torch's version
         op = bf16_rows.build(op=True)
-        assert op.parent == tmp_path and op.name.startswith("bf16_rows_op-") and bf16_rows.build(op=True) == op
+        assert op.parent == tmp_path and op.name.startswith(f"bf16_rows_op_{bf16_rows.variant()}-")
+        assert bf16_rows.build(op=True) == op
         op.unlink()
         compiles = []
 
@@ -212,7 +264,7 @@ def test_build_is_cached_by_source_and_a_failed_build_leaves_the_kernel_off(tmp_
             m.setattr(bf16_rows.subprocess, "run", fake_compile)
             m.setattr(torch, "__version__", "0.0.0+another")
             other = bf16_rows.build(op=True)
-        assert len(compiles) == 1 and other.name != op.name and other.name.startswith("bf16_rows_op-")
+        assert len(compiles) == 1 and other.name != op.name and other.name.startswith("bf16_rows_op_")
         other.unlink()
     with pytest.raises(subprocess.CalledProcessError):
         bf16_rows.build(compiler="false")  # a compiler that fails: a new key, nothing written
@@ -232,7 +284,7 @@ def test_build_is_cached_by_source_and_a_failed_build_leaves_the_kernel_off(tmp_
     finally:
         fallback.parent.chmod(0o700)
 
-    def failing(compiler=None, op=False):
+    def failing(compiler=None, op=False, kind=None):
         raise subprocess.CalledProcessError(1, ["cc"], stderr="cc: error: bad flags")
 
     monkeypatch.setattr(bf16_rows, "build", failing)
@@ -250,7 +302,7 @@ def test_the_ops_cpp_kernel_is_not_built_on_an_older_torch_and_any_load_failure_
     out of the kernel's loading."""
     builds = []
 
-    def failing_build(compiler=None, op=False):
+    def failing_build(compiler=None, op=False, kind=None):
         builds.append(op)
         raise RuntimeError("a library torch cannot load")
 
@@ -293,8 +345,9 @@ def test_where_the_ops_cpp_kernel_does_not_build_the_op_falls_back_to_the_same_r
 @needs_kernel
 @pytest.mark.slow
 def test_default_bf16_decode_and_verify_steps_through_the_kernel_are_within_bf16_rounding(default_model_f32, hf_default):
-    """SmolLM2 in bf16, a prompt prefilled (oneDNN: many rows), then one-row decode steps and a 5-row
-    verify-shaped extend (the kernel; oneDNN on AMX), against transformers' float32 logits for the same positions:
+    """SmolLM2 in bf16, a prompt prefilled (oneDNN: many rows; the kernel in its widened build), then one-row
+    decode steps and a 5-row verify-shaped extend (the kernel; oneDNN on AMX), against transformers' float32
+    logits for the same positions:
     the bounds of test_model's bf16 prefill test (max error at most 2x transformers' own bf16 max error,
     mean error <= 0.35, the argmax equal to float32's wherever float32's top-2 margin exceeds 1.0)."""
     from rollout_ssd.models.loader import build_decoder
@@ -306,7 +359,8 @@ def test_default_bf16_decode_and_verify_steps_through_the_kernel_are_within_bf16
     tok = default_model_f32.tokenizer
     ids = tok("Here is a short list of European countries and their capitals, as a geography teacher "
               "would write it on the board. The capital of France is Paris. The capital of Italy is").input_ids
-    assert len(ids) > rows_kernel_rows()
+    if bf16_rows.variant() == "dot":
+        assert len(ids) > rows_kernel_rows()  # the prefill runs oneDNN's kernels
     cont = tok(" Rome, and the capital of Spain is Madrid; of Germany,").input_ids[:10]
     runner = ModelRunner(model, num_slots=1, max_len=64)
     mine = [runner.prefill([0], [ids]).float()]

@@ -1,11 +1,17 @@
-"""A few rows times a bf16 weight on CPUs with avx512_bf16: the C kernel in csrc/bf16_rows.c.
+"""A few rows times a bf16 weight at memory speed on AVX-512 CPUs: the C kernel in csrc/bf16_rows.c.
 
 Why a kernel of our own: at a few rows (a decode step, a verify of K+1 tokens, a draft's tree step) a
 linear is bound by reading its weight, and every CPU kernel found for bf16 (oneDNN's packed linear,
 inductor's reductions and GEMM templates) converts each weight element to float32 and multiplies in
 float32: from 2 rows on they are compute-bound at under half the memory's read speed, so a verify cost
-about two decode steps (bench/RESULTS.md, "bf16 kernel for a few rows"). avx512_bf16's dot instruction
-multiplies bf16 pairs as they are, 32 multiply-adds per instruction.
+about two decode steps (bench/RESULTS.md, "bf16 kernel for a few rows"). Two builds of one source, by
+what the CPU has (`variant`):
+- "dot", with avx512_bf16: its dot instruction multiplies bf16 pairs as they are, 32 multiply-adds per
+  instruction;
+- "widened", AVX-512 without bf16 units: each line of bf16 pairs is widened to float32 in registers (a
+  shift and a mask) and multiplied in float32. The weight is still read as bf16, half a float32 model's
+  bytes, which is what bounds a few-row linear; oneDNN's emulated bf16 on such a CPU ran slower than
+  float32, prefill three times slower than this kernel (bench/RESULTS.md, "bf16 without bf16 units").
 
 What it computes: x [m, k] @ w.T (+ bias), accumulated in float32 and rounded once to bf16, over a copy
 of w in the kernel's blocked layout (`pack`). Each output's sum runs over k in one fixed order, whatever
@@ -16,9 +22,9 @@ order); tests bound it against a float64 reference.
 How it is built: with the C compiler found (`cc`, or $CC) on first use, into the kernel cache
 (kernel_build.py), keyed by the source and the flags, and loaded with ctypes; its
 OpenMP threads are torch's own (the library links libgomp.so.1, which torch has loaded). Where the CPU
-has no avx512_bf16, no compiler is found, or the build or the load fails, `available()` is False and
-cpu_backend keeps oneDNN's packed linear. $ROLLOUT_SSD_BF16_ROWS=0 (or `set_enabled(False)`) turns it
-off.
+has no AVX-512 (F, BW, VL), no compiler is found, or the build or the load fails, `available()` is False
+and cpu_backend keeps oneDNN's packed kernels (or F.linear). $ROLLOUT_SSD_BF16_ROWS=0 (or
+`set_enabled(False)`) turns it off.
 
 Inside a compiled step the kernel is the op `rollout_ssd::bf16_rows`, which inductor calls as an opaque
 kernel over the packed copy (a live step's input, so it follows weight updates; a frozen step holds its
@@ -47,7 +53,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "bf16_rows.c"
 OP_SOURCE = SOURCE.with_name("bf16_rows_op.cpp")
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
+COMMON_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-fopenmp", "-shared", "-fPIC")
+VARIANT_FLAGS = {"dot": ("-mavx512bf16",), "widened": ("-mfma",)}  # past COMMON_FLAGS, by `variant()`
+SYMBOLS = {"dot": "bf16_rows_linear", "widened": "bf16_rows_linear_widened"}  # csrc/bf16_rows.c's EXPORT
 TILE = 64  # outputs per tile of the packed layout (csrc/bf16_rows.c)
 OP_TORCH = "2.10"  # the stable ABI version csrc/bf16_rows_op.cpp targets (TORCH_TARGET_VERSION in _op_command)
 
@@ -56,6 +64,21 @@ def cpu_has_avx512_bf16() -> bool:
     from rollout_ssd.models.cpu_backend import cpu_flags
 
     return {"avx512_bf16", "avx512bw", "avx512vl"} <= cpu_flags()
+
+
+def variant() -> Optional[str]:
+    """The build this CPU runs: "dot" (avx512_bf16's dot instruction), "widened" (AVX-512 F/BW/VL with FMA,
+    no bf16 units: bf16 widened to float32 in registers), or None (no AVX-512: the kernel is off)."""
+    from rollout_ssd.models.cpu_backend import cpu_flags
+
+    if cpu_has_avx512_bf16():
+        return "dot"
+    return "widened" if {"avx512f", "avx512bw", "avx512vl", "fma"} <= cpu_flags() else None
+
+
+def flags(kind: str) -> tuple[str, ...]:
+    """The compiler flags of the `kind` build ("dot" | "widened")."""
+    return (*COMMON_FLAGS, *VARIANT_FLAGS[kind])
 
 
 def _torch_root() -> Path:
@@ -77,30 +100,42 @@ def default_compiler(op: bool = False) -> str:
     return kernel_build.default_compiler(cpp=op)
 
 
-def build(compiler: Optional[str] = None, op: bool = False) -> Path:
+def build(compiler: Optional[str] = None, op: bool = False, kind: Optional[str] = None) -> Path:
     """Compile csrc/bf16_rows.c (op: csrc/bf16_rows_op.cpp, the op's C++ kernel over the same C code,
-    with a C++ compiler) into the kernel cache (kernel_build.py), once per source, flags and (op) torch
-    version, and return the library's path. Raises CalledProcessError / OSError."""
+    with a C++ compiler) for `kind` (default: this CPU's `variant()`) into the kernel cache
+    (kernel_build.py), once per source, flags and (op) torch version, and return the library's path.
+    Raises CalledProcessError / OSError, ValueError where there is no kind to build."""
+    kind = kind or variant()
+    if kind not in VARIANT_FLAGS:
+        raise ValueError(f"bf16_rows.build: no build for {kind!r} (this CPU has no AVX-512 F/BW/VL)")
     if op:
-        return kernel_build.build_library("bf16_rows_op", OP_SOURCE, FLAGS, _op_command(),
+        return kernel_build.build_library(f"bf16_rows_op_{kind}", OP_SOURCE, flags(kind), _op_command(),
                                           SOURCE.read_bytes() + torch.__version__.encode(), compiler or default_compiler(op))
-    return kernel_build.build_library("bf16_rows", SOURCE, FLAGS, compiler=compiler or default_compiler())
+    return kernel_build.build_library(f"bf16_rows_{kind}", SOURCE, flags(kind), compiler=compiler or default_compiler())
+
+
+def load(kind: str):
+    """The `kind` build's C function, argument types set (tests run the widened build where the dot one
+    is this CPU's)."""
+    fn = getattr(ctypes.CDLL(str(build(kind=kind))), SYMBOLS[kind])
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    fn.restype = None
+    return fn
 
 
 @functools.cache
 def _kernel():
     """The loaded C function, or None where the kernel cannot run here (logged once)."""
-    if not cpu_has_avx512_bf16():
+    kind = variant()
+    if kind is None:
         return None
     try:
-        fn = ctypes.CDLL(str(build())).bf16_rows_linear
+        fn = load(kind)
     except (OSError, AttributeError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        log.warning("bf16 rows kernel not built or not loaded (%s); bf16 linears keep oneDNN's packed kernels", detail)
+        log.warning("bf16 rows kernel (%s) not built or not loaded (%s); bf16 linears keep oneDNN's kernels", kind, detail)
         return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    fn.restype = None
     _op_library()
     return fn
 
@@ -144,7 +179,7 @@ def set_enabled(on: bool) -> None:
 
 
 def available() -> bool:
-    """Whether `linear` runs here: a CPU with avx512_bf16, the kernel built, not turned off."""
+    """Whether `linear` runs here: an AVX-512 CPU (`variant`), the kernel built, not turned off."""
     return _ON and _kernel() is not None
 
 
@@ -159,8 +194,10 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     return padded.view(tiles, TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [m, k] bf16 @ w.T (+ bias) -> [m, n] bf16, w given as `pack(w)`. Needs `available()`."""
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None,
+           kernel=None) -> torch.Tensor:
+    """x [m, k] bf16 @ w.T (+ bias) -> [m, n] bf16, w given as `pack(w)`. Needs `available()` (kernel:
+    a function from `load` to run instead of this CPU's, as tests do with the widened build)."""
     m, k = x.shape
     if x.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16 or packed.dim() != 4 \
             or tuple(packed.shape[1:]) != (k // 2, TILE, 2) or k % 2 or packed.shape[0] * TILE < n:
@@ -172,7 +209,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.T
         x = x.clone()
     b = None if bias is None else bias.detach().float().contiguous()
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    _kernel()(x.data_ptr(), m, k, packed.data_ptr(), n, None if b is None else b.data_ptr(), out.data_ptr(),
+    (kernel or _kernel())(x.data_ptr(), m, k, packed.data_ptr(), n, None if b is None else b.data_ptr(), out.data_ptr(),
               torch.get_num_threads())
     return out
 

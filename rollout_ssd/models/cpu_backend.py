@@ -6,15 +6,17 @@ another order), never the model:
 - layer matrices: float32 ones are stored column-major (`layer_weight`), the fastest form for one row;
   2..24 rows run the float32 rows kernel (f32_rows.py) where the CPU kind lists it, else MKL in the
   form measured fastest per kind (`linear`, `WeightCopies`, `gemm_rows`); the LM head likewise (`head_matmul`);
-- bf16 on a CPU with bf16 units (`packed_linear`): at 1..`rows_kernel_rows()` rows (per CPU kind), where
-  the CPU has avx512_bf16, the bf16 rows kernel (bf16_rows.py: bf16 dot products over a copy in its blocked layout,
-  the weight read at memory speed, a row's result independent of its batch; within bf16 rounding of
-  F.linear, not bitwise); otherwise oneDNN's linear over weights it packed once, bitwise F.linear;
+- bf16 (`packed_linear`): at 1..`rows_kernel_rows()` rows (per CPU kind), where the CPU has AVX-512, the
+  bf16 rows kernel (bf16_rows.py: bf16 dot products, or without bf16 units bf16 widened to float32 in
+  registers, over a copy in its blocked layout, the weight read at memory speed, a row's result independent
+  of its batch; within bf16 rounding of F.linear, not bitwise); otherwise, on a CPU with bf16 units,
+  oneDNN's linear over weights it packed once, bitwise F.linear;
 - inside a live compiled step (graphs.py, EngineConfig.compile="live"): the same kernels, as ops inductor
   calls as they are (`rollout_ssd::bf16_rows`, `rollout_ssd::packed_linear`), over copies `pack_live`
   keeps current; with the rows kernel off, a one-row linear is a float32 reduction over the weight,
   which inductor fuses into one loop that streams it;
-- dtype "auto": bfloat16 where the CPU runs bf16 matmuls natively, else float32 (`auto_dtype`).
+- dtype "auto": bfloat16 where the CPU runs bf16 matmuls natively or the bf16 rows kernel's widened build
+  runs (AVX-512 without bf16 units), else float32 (`auto_dtype`).
 
 The CPU kind is read once per process (`cpu_kind`). Measurements behind these choices: bench/RESULTS.md ("GEMM
 widths", "bfloat16 and dtype auto", "bf16 kernel for a few rows", "The float32 rows kernel"); bench/bench_gemm.py,
@@ -86,11 +88,21 @@ def native_bf16() -> bool:
     return torch.cuda.is_available() or cpu_kind() in BF16_UNITS
 
 
+def widened_bf16() -> bool:
+    """Whether bf16 linears run at memory speed here without bf16 units: an AVX-512 CPU (kind "avx512", no
+    CUDA) where the bf16 rows kernel's widened build runs (bf16_rows.py: bf16 weights widened to float32 in
+    registers, half float32's bytes read). There decode and verify steps measured faster in bf16 than in
+    float32 (bench/RESULTS.md, "bf16 without bf16 units")."""
+    return not torch.cuda.is_available() and cpu_kind() == "avx512" and bf16_rows.variant() == "widened" \
+        and bf16_rows.available()
+
+
 def auto_dtype() -> torch.dtype:
-    """What `dtype="auto"` loads: bfloat16 where bf16 matmuls run natively, else float32 (without them
-    PyTorch emulates bf16, and prefill and batched decode run several times slower than float32)."""
+    """What `dtype="auto"` loads: bfloat16 where bf16 matmuls run natively or the widened bf16 rows kernel
+    runs, else float32 (without either PyTorch emulates bf16, and prefill and batched decode run several
+    times slower than float32)."""
     log.info("dtype auto: %s", describe_auto_dtype())
-    return torch.bfloat16 if native_bf16() else torch.float32
+    return torch.bfloat16 if native_bf16() or widened_bf16() else torch.float32
 
 
 def describe_auto_dtype() -> str:
@@ -98,6 +110,8 @@ def describe_auto_dtype() -> str:
     where = "CUDA" if torch.cuda.is_available() else f"CPU {cpu_kind()}"
     if native_bf16():
         return f"bfloat16 ({where}: native bf16 matmuls)"
+    if widened_bf16():
+        return f"bfloat16 ({where}: no bf16 units; the bf16 rows kernel widens bf16 weights in registers, half float32's bytes)"
     return f"float32 ({where}: no bf16 dot-product units, bf16 matmuls would be emulated)"
 
 
@@ -189,9 +203,11 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
 
 
 # bf16 linears of 1..rows_kernel_rows() rows run bf16_rows.py's kernel over a copy in its layout where the CPU has
-# avx512_bf16, oneDNN's packed linear above; on AMX oneDNN is the faster from 3 rows (bench/RESULTS.md: "bf16
-# kernel for a few rows", "A fifth CPU kind"). By cpu_kind(); 32 on the others.
-ROWS_KERNEL_MAX_ROWS = {"amx": 2}
+# AVX-512, oneDNN's packed linear above; on AMX oneDNN is the faster from 3 rows (bench/RESULTS.md: "bf16
+# kernel for a few rows", "A fifth CPU kind"). On AVX-512 without bf16 units the widened kernel takes every row count:
+# oneDNN there emulates bf16, 3x slower than the kernel at 24..256 rows ("bf16 without bf16 units"). By
+# cpu_kind(); 32 on the others.
+ROWS_KERNEL_MAX_ROWS = {"amx": 2, "avx512": 1 << 30}
 _ROWS_KERNEL_ROWS = ROWS_KERNEL_MAX_ROWS.get(cpu_kind(), 32)  # read once: compiled steps trace the plain read
 
 
@@ -220,12 +236,12 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: 
     itself); a live one (`live_steps`) also oneDNN's op, or a one-row reduction."""
     m = x.numel() // x.shape[-1]
     if torch.compiler.is_compiling():
-        if m > PACKED_BF16_MAX_ROWS:
-            return None
         x2 = x.reshape(m, x.shape[-1])
         rows = copies.live.get(name + ":rows") if m <= rows_kernel_rows() else None  # made where the kernel runs
         if rows is not None:
             out = torch.ops.rollout_ssd.bf16_rows(x2, rows, bias, w.shape[0])
+        elif m > PACKED_BF16_MAX_ROWS:
+            return None
         elif not _LIVE:  # frozen: F.linear, which inductor packs itself
             return None
         elif m == 1 and w.dtype == torch.bfloat16:  # one row: a reduction inductor streams the weight through
@@ -236,13 +252,12 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: 
         else:
             return None
         return out.view(*x.shape[:-1], w.shape[0])
-    if w.dtype != torch.bfloat16 or not w.is_cpu or w.requires_grad or x.requires_grad \
-            or m > PACKED_BF16_MAX_ROWS:
+    if w.dtype != torch.bfloat16 or not w.is_cpu or w.requires_grad or x.requires_grad:
         return None
     x2 = x.reshape(m, x.shape[-1])
     if _rows_kernel(x, w, m):
         out = bf16_rows.linear(x2, copies.get(name + ":rows", w, bf16_rows.pack), w.shape[0], bias)
-    elif packed_bf16():
+    elif packed_bf16() and m <= PACKED_BF16_MAX_ROWS:
         out = torch.ops.mkldnn._linear_pointwise(x2, copies.get(name + ":packed", w, _pack), bias, "none", [], "")
     else:
         return None
@@ -283,6 +298,9 @@ def pack_live(model) -> None:
     (`WeightCopies.get`); an int4 draft's copies likewise (quant.pack_live). A no-op where neither
     applies (a float32 model's live steps read the weights themselves)."""
     if not _packs(model):
+        if model.dtype == torch.bfloat16 and model.copies.int4_group is None:  # the rows kernel turned off since
+            for _, _, copies, name in linear_weights(model):
+                copies.live.pop(name + ":rows", None)
         return quant.pack_live(model)
     with torch.inference_mode():
         for w, _, copies, name in linear_weights(model):

@@ -1,4 +1,5 @@
-/* A few rows of x times a bf16 weight, with avx512_bf16's dot instruction (vdpbf16ps).
+/* A few rows of x times a bf16 weight, read at memory speed (AVX-512; avx512_bf16's dot instruction where
+ * the CPU has it).
  *
  * out[m, n] = x[m, k] @ w[n, k].T (+ bias[n]), x and w bf16, accumulated in float32, rounded once to
  * bf16 (round to nearest even, as torch's float -> bf16 cast). The weight is read in the blocked layout
@@ -10,6 +11,13 @@
  * inductor's) convert every weight element and reach less than half the copy bandwidth from 2 rows on.
  * One vdpbf16ps does 32 multiply-adds on bf16 operands as they are.
  *
+ * Without avx512_bf16 (built without -mavx512bf16: __AVX512BF16__ undefined) the same layout is widened
+ * in registers: a bf16 is the top half of a float32, so a 64-byte line of pairs gives the even k's
+ * floats by a 16-bit left shift and the odd k's by masking off the low halves, two integer operations,
+ * then one float32 fused multiply-add per row and k. The weight is still read as bf16 (half a float32
+ * model's bytes), which is what bounds a few-row linear; oneDNN's emulated bf16 on such a CPU ran
+ * slower than float32 (bench/RESULTS.md, "A sixth CPU kind").
+ *
  * Each output's sum runs over k in the same order whatever the row count and whatever rows sit beside
  * it, so a row's result does not depend on the batch it is computed in. Rows go through in groups of
  * at most MAX_GROUP (the accumulators of a group stay in registers: 4 x rows of the 32 zmm); a tile is
@@ -19,7 +27,15 @@
 #include <stdint.h>
 
 #define TILE 64
+#if defined(__AVX512BF16__)
 #define MAX_GROUP 7
+#define EXPORT bf16_rows_linear
+#else
+#ifndef MAX_GROUP
+#define MAX_GROUP 4      /* 16 accumulators, a group's 8 widened x, a line's two halves, the mask */
+#endif
+#define EXPORT bf16_rows_linear_widened
+#endif
 /* How far ahead a thread asks for its weight stream (64-byte lines, into L2): without a prefetch, or
  * with one into L1, one thread read the weight more slowly than a plain sum over the same tensor; 64-128
  * lines ahead into L2 matched it (bench/RESULTS.md, "bf16 kernel for a few rows"). */
@@ -37,6 +53,7 @@ static inline __attribute__((always_inline)) void tile_group(
     for (long p = 0; p < pairs; p++) {
         const __m512i *line = w + p * 4;
         _mm_prefetch((const char *)(line + PREFETCH_LINES), _MM_HINT_T1);
+#if defined(__AVX512BF16__)
 #pragma GCC unroll 4
         for (int t = 0; t < 4; t++) {
             __m512bh wt = (__m512bh)_mm512_load_si512(line + t);
@@ -44,6 +61,25 @@ static inline __attribute__((always_inline)) void tile_group(
             for (int r = 0; r < rows; r++)
                 acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)_mm512_set1_epi32(x[r * x_pairs + p]), wt);
         }
+#else
+        const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+        __m512 x_even[MAX_GROUP], x_odd[MAX_GROUP];
+#pragma GCC unroll 8
+        for (int r = 0; r < rows; r++) {
+            __m512i pair = _mm512_set1_epi32(x[r * x_pairs + p]);
+            x_even[r] = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+            x_odd[r] = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; t++) {
+            __m512i wt = _mm512_load_si512(line + t);
+            __m512 w_even = _mm512_castsi512_ps(_mm512_slli_epi32(wt, 16));
+            __m512 w_odd = _mm512_castsi512_ps(_mm512_and_si512(wt, high));
+#pragma GCC unroll 8
+            for (int r = 0; r < rows; r++)
+                acc[r][t] = _mm512_fmadd_ps(x_odd[r], w_odd, _mm512_fmadd_ps(x_even[r], w_even, acc[r][t]));
+        }
+#endif
     }
 #pragma GCC unroll 4
     for (int t = 0; t < 4; t++) {
@@ -54,8 +90,18 @@ static inline __attribute__((always_inline)) void tile_group(
         __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
 #pragma GCC unroll 8
         for (int r = 0; r < rows; r++) {
-            __m256bh h = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][t], b));
-            _mm256_mask_storeu_epi16(out + r * n_out + col, mask, (__m256i)h);
+            __m512 v = _mm512_add_ps(acc[r][t], b);
+#if defined(__AVX512BF16__)
+            __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+#else  /* round to nearest even by integer arithmetic (NaN kept quiet), as vcvtneps2bf16 does */
+            __m512i bits = _mm512_castps_si512(v);
+            __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+            __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+            __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+            __m256i h = _mm512_cvtepi32_epi16(rounded);
+#endif
+            _mm256_mask_storeu_epi16(out + r * n_out + col, mask, h);
         }
     }
 }
@@ -68,16 +114,20 @@ static void tile_rows(int rows, const int32_t *x, long x_pairs, const __m512i *w
     case 2: tile_group(2, x, x_pairs, w, pairs, bias, out, n_out, col0); break;
     case 3: tile_group(3, x, x_pairs, w, pairs, bias, out, n_out, col0); break;
     case 4: tile_group(4, x, x_pairs, w, pairs, bias, out, n_out, col0); break;
+#if MAX_GROUP > 4
     case 5: tile_group(5, x, x_pairs, w, pairs, bias, out, n_out, col0); break;
+#endif
+#if MAX_GROUP > 5
     case 6: tile_group(6, x, x_pairs, w, pairs, bias, out, n_out, col0); break;
-    default: tile_group(7, x, x_pairs, w, pairs, bias, out, n_out, col0); break;
+#endif
+    default: tile_group(MAX_GROUP, x, x_pairs, w, pairs, bias, out, n_out, col0); break;
     }
 }
 
 /* x [m, k] bf16 contiguous (k even), packed: ceil(n / 64) tiles of (k / 2) x 64 x 2 bf16, bias float32
  * [n] or NULL, out [m, n] bf16 contiguous. Tiles are shared among `threads` OpenMP threads (the runtime
  * torch itself uses, when torch's libgomp is the one loaded). */
-void bf16_rows_linear(const uint16_t *x, long m, long k, const uint16_t *packed, long n, const float *bias,
+void EXPORT(const uint16_t *x, long m, long k, const uint16_t *packed, long n, const float *bias,
                       uint16_t *out, int threads)
 {
     if (m <= 0 || n <= 0)
