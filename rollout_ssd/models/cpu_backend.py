@@ -6,17 +6,14 @@ another order), never the model:
 - layer matrices: float32 ones are stored column-major (`layer_weight`), the fastest form for one row;
   2..24 rows run the float32 rows kernel (f32_rows.py) where the CPU kind lists it, else MKL in the
   form measured fastest per kind (`linear`, `WeightCopies`, `gemm_rows`); the LM head likewise (`head_matmul`);
-- bf16 (`packed_linear`): at 1..`rows_kernel_rows()` rows (per CPU kind), where the CPU has AVX-512, the
-  bf16 rows kernel (bf16_rows.py: bf16 dot products, or without bf16 units bf16 widened to float32 in
-  registers, over a copy in its blocked layout, the weight read at memory speed, a row's result independent
-  of its batch; within bf16 rounding of F.linear, not bitwise); otherwise, on a CPU with bf16 units,
-  oneDNN's linear over weights it packed once, bitwise F.linear;
+- bf16 (`packed_linear`): at 1..`rows_kernel_rows()` rows (per CPU kind) on AVX-512 the bf16 rows kernel
+  (bf16_rows.py: the weight read at memory speed, a row's result independent of its batch, within bf16
+  rounding of F.linear); otherwise, with bf16 units, oneDNN's linear over packed weights, bitwise F.linear;
 - inside a live compiled step (graphs.py, EngineConfig.compile="live"): the same kernels, as ops inductor
   calls as they are (`rollout_ssd::bf16_rows`, `rollout_ssd::packed_linear`), over copies `pack_live`
   keeps current; with the rows kernel off, a one-row linear is a float32 reduction over the weight,
   which inductor fuses into one loop that streams it;
-- dtype "auto": bfloat16 where the CPU runs bf16 matmuls natively or the bf16 rows kernel's widened build
-  runs (AVX-512 without bf16 units), else float32 (`auto_dtype`).
+- dtype "auto": bfloat16 where bf16 matmuls run natively or at memory speed (`widened_bf16`), else float32.
 
 The CPU kind is read once per process (`cpu_kind`). Measurements behind these choices: bench/RESULTS.md ("GEMM
 widths", "bfloat16 and dtype auto", "bf16 kernel for a few rows", "The float32 rows kernel"); bench/bench_gemm.py,
@@ -89,18 +86,15 @@ def native_bf16() -> bool:
 
 
 def widened_bf16() -> bool:
-    """Whether bf16 linears run at memory speed here without bf16 units: an AVX-512 CPU (kind "avx512", no
-    CUDA) where the bf16 rows kernel's widened build runs (bf16_rows.py: bf16 weights widened to float32 in
-    registers, half float32's bytes read). There decode and verify steps measured faster in bf16 than in
-    float32 (bench/RESULTS.md, "bf16 without bf16 units")."""
+    """Whether bf16 runs at memory speed without bf16 units: CPU kind "avx512" (no CUDA) with the bf16 rows
+    kernel's widened build, where decode and verify measured faster in bf16 than in float32 (RESULTS.md)."""
     return not torch.cuda.is_available() and cpu_kind() == "avx512" and bf16_rows.variant() == "widened" \
         and bf16_rows.available()
 
 
 def auto_dtype() -> torch.dtype:
-    """What `dtype="auto"` loads: bfloat16 where bf16 matmuls run natively or the widened bf16 rows kernel
-    runs, else float32 (without either PyTorch emulates bf16, and prefill and batched decode run several
-    times slower than float32)."""
+    """What `dtype="auto"` loads: bfloat16 where bf16 matmuls run natively or `widened_bf16`, else float32
+    (PyTorch would emulate bf16: prefill and batched decode several times slower than float32)."""
     log.info("dtype auto: %s", describe_auto_dtype())
     return torch.bfloat16 if native_bf16() or widened_bf16() else torch.float32
 
@@ -202,11 +196,10 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, None)
 
 
-# bf16 linears of 1..rows_kernel_rows() rows run bf16_rows.py's kernel over a copy in its layout where the CPU has
-# AVX-512, oneDNN's packed linear above; on AMX oneDNN is the faster from 3 rows (bench/RESULTS.md: "bf16
-# kernel for a few rows", "A fifth CPU kind"). On AVX-512 without bf16 units the widened kernel takes every row count:
-# oneDNN there emulates bf16, 3x slower than the kernel at 24..256 rows ("bf16 without bf16 units"). By
-# cpu_kind(); 32 on the others.
+# bf16 linears of 1..rows_kernel_rows() rows run bf16_rows.py's kernel where the CPU has AVX-512, oneDNN's packed
+# linear above; on AMX oneDNN is the faster from 3 rows; without bf16 units the widened kernel takes every row count
+# (oneDNN emulates bf16 there, 3x slower). By cpu_kind(); 32 on the others. (RESULTS.md: "bf16 kernel for a few rows",
+# "A fifth CPU kind", "bf16 without bf16 units".)
 ROWS_KERNEL_MAX_ROWS = {"amx": 2, "avx512": 1 << 30}
 _ROWS_KERNEL_ROWS = ROWS_KERNEL_MAX_ROWS.get(cpu_kind(), 32)  # read once: compiled steps trace the plain read
 
