@@ -120,7 +120,7 @@ def load(kind: str):
     fn = getattr(ctypes.CDLL(str(build(kind=kind))), SYMBOLS[kind])
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    fn.restype = None
+    fn.restype = ctypes.c_int  # 0, or -1: the widened build could not allocate its float32 copy of x
     return fn
 
 
@@ -209,8 +209,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.T
         x = x.clone()
     b = None if bias is None else bias.detach().float().contiguous()
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    (kernel or _kernel())(x.data_ptr(), m, k, packed.data_ptr(), n, None if b is None else b.data_ptr(), out.data_ptr(),
-              torch.get_num_threads())
+    if (kernel or _kernel())(x.data_ptr(), m, k, packed.data_ptr(), n, None if b is None else b.data_ptr(),
+                             out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"bf16_rows.linear: no memory for a float32 copy of x {tuple(x.shape)}")
     return out
 
 

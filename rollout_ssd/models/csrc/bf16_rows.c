@@ -14,9 +14,10 @@
  * Without avx512_bf16 (built without -mavx512bf16: __AVX512BF16__ undefined) the same layout is widened
  * in registers: a bf16 is the top half of a float32, so a 64-byte line of pairs gives the even k's
  * floats by a 16-bit left shift and the odd k's by masking off the low halves, two integer operations,
- * then one float32 fused multiply-add per row and k. The weight is still read as bf16 (half a float32
- * model's bytes), which is what bounds a few-row linear; oneDNN's emulated bf16 on such a CPU ran
- * slower than float32 (bench/RESULTS.md, "A sixth CPU kind").
+ * then one float32 fused multiply-add per row and k, whose x operand is a broadcast from a float32 copy
+ * of x made once per call (widening x per tile cost a fifth more at 24 rows). The weight is still read as
+ * bf16 (half a float32 model's bytes), which is what bounds a few-row linear; oneDNN's emulated bf16 on
+ * such a CPU ran slower than float32 (bench/RESULTS.md, "A sixth CPU kind", "bf16 without bf16 units").
  *
  * Each output's sum runs over k in the same order whatever the row count and whatever rows sit beside
  * it, so a row's result does not depend on the batch it is computed in. Rows go through in groups of
@@ -25,6 +26,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define TILE 64
 #if defined(__AVX512BF16__)
@@ -32,7 +34,7 @@
 #define EXPORT bf16_rows_linear
 #else
 #ifndef MAX_GROUP
-#define MAX_GROUP 4      /* 16 accumulators, a group's 8 widened x, a line's two halves, the mask */
+#define MAX_GROUP 5      /* 20 accumulators, a line's two widened halves, the mask, the broadcasts */
 #endif
 #define EXPORT bf16_rows_linear_widened
 #endif
@@ -42,7 +44,7 @@
 #define PREFETCH_LINES 64
 
 static inline __attribute__((always_inline)) void tile_group(
-    const int rows, const int32_t *x, long x_pairs, const __m512i *w, long pairs,
+    const int rows, const void *x, long x_pairs, const __m512i *w, long pairs,
     const float *bias, uint16_t *out, long n_out, long col0)
 {
     __m512 acc[MAX_GROUP][4];
@@ -59,25 +61,22 @@ static inline __attribute__((always_inline)) void tile_group(
             __m512bh wt = (__m512bh)_mm512_load_si512(line + t);
 #pragma GCC unroll 8
             for (int r = 0; r < rows; r++)
-                acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)_mm512_set1_epi32(x[r * x_pairs + p]), wt);
+                acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)_mm512_set1_epi32(((const int32_t *)x)[r * x_pairs + p]), wt);
         }
-#else
+#else  /* x: the rows widened to float32 once per call ([rows, 2 * x_pairs] floats) */
         const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
-        __m512 x_even[MAX_GROUP], x_odd[MAX_GROUP];
-#pragma GCC unroll 8
-        for (int r = 0; r < rows; r++) {
-            __m512i pair = _mm512_set1_epi32(x[r * x_pairs + p]);
-            x_even[r] = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-            x_odd[r] = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
-        }
+        const float *xf = (const float *)x + 2 * p;
 #pragma GCC unroll 4
         for (int t = 0; t < 4; t++) {
             __m512i wt = _mm512_load_si512(line + t);
             __m512 w_even = _mm512_castsi512_ps(_mm512_slli_epi32(wt, 16));
             __m512 w_odd = _mm512_castsi512_ps(_mm512_and_si512(wt, high));
 #pragma GCC unroll 8
-            for (int r = 0; r < rows; r++)
-                acc[r][t] = _mm512_fmadd_ps(x_odd[r], w_odd, _mm512_fmadd_ps(x_even[r], w_even, acc[r][t]));
+            for (int r = 0; r < rows; r++) {
+                const float *xr = xf + r * 2 * x_pairs;
+                acc[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), w_odd,
+                                            _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), w_even, acc[r][t]));
+            }
         }
 #endif
     }
@@ -106,7 +105,7 @@ static inline __attribute__((always_inline)) void tile_group(
     }
 }
 
-static void tile_rows(int rows, const int32_t *x, long x_pairs, const __m512i *w, long pairs,
+static void tile_rows(int rows, const void *x, long x_pairs, const __m512i *w, long pairs,
                       const float *bias, uint16_t *out, long n_out, long col0)
 {
     switch (rows) {  /* constant row counts: the accumulators become registers */
@@ -126,21 +125,44 @@ static void tile_rows(int rows, const int32_t *x, long x_pairs, const __m512i *w
 
 /* x [m, k] bf16 contiguous (k even), packed: ceil(n / 64) tiles of (k / 2) x 64 x 2 bf16, bias float32
  * [n] or NULL, out [m, n] bf16 contiguous. Tiles are shared among `threads` OpenMP threads (the runtime
- * torch itself uses, when torch's libgomp is the one loaded). */
-void EXPORT(const uint16_t *x, long m, long k, const uint16_t *packed, long n, const float *bias,
-                      uint16_t *out, int threads)
+ * torch itself uses, when torch's libgomp is the one loaded). Returns 0, or -1 where the widened build
+ * could not allocate its float32 copy of x (out not written). */
+int EXPORT(const uint16_t *x, long m, long k, const uint16_t *packed, long n, const float *bias,
+           uint16_t *out, int threads)
 {
     if (m <= 0 || n <= 0)
-        return;
+        return 0;
     const long pairs = k / 2, tiles = (n + TILE - 1) / TILE;
     const long groups = (m + MAX_GROUP - 1) / MAX_GROUP;
     const long per_group = (m + groups - 1) / groups;
+#if defined(__AVX512BF16__)
+    const void *rows_in = x;
+    const long row_stride = pairs;  /* in int32 pairs */
+#else
+    /* each x element widened once here rather than once per tile: a bf16 is a float32's top half */
+    uint32_t *wide = (uint32_t *)malloc((size_t)(m * k) * sizeof(uint32_t));
+    if (!wide)
+        return -1;
+    for (long i = 0; i < m * k; i++)
+        wide[i] = (uint32_t)x[i] << 16;
+    const void *rows_in = wide;
+    const long row_stride = k;  /* in floats */
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (long tile = 0; tile < tiles; tile++) {
         const __m512i *w = (const __m512i *)(packed + tile * pairs * TILE * 2);
         for (long r0 = 0; r0 < m; r0 += per_group) {
             int rows = (int)(m - r0 < per_group ? m - r0 : per_group);
-            tile_rows(rows, (const int32_t *)(x + r0 * k), pairs, w, pairs, bias, out + r0 * n, n, tile * TILE);
+#if defined(__AVX512BF16__)
+            const void *xr = (const int32_t *)rows_in + r0 * row_stride;
+#else
+            const void *xr = (const float *)rows_in + r0 * row_stride;
+#endif
+            tile_rows(rows, xr, pairs, w, pairs, bias, out + r0 * n, n, tile * TILE);
         }
     }
+#if !defined(__AVX512BF16__)
+    free(wide);
+#endif
+    return 0;
 }
