@@ -401,3 +401,30 @@ def test_pack_live_keeps_the_kernels_copies_while_it_runs_and_drops_them_once_it
     pack_live(model)
     assert not any(key.endswith(":rows") for layer in model.layers for key in layer.row_major.live)
     assert "lm_head:rows" not in model.copies.live
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_greedy_sd_and_ssd_of_a_bf16_pair_emit_ar_tokens_through_the_kernel(tmp_path):
+    """A bf16 pair whose linears run this CPU's build of the kernel (the widened one where the CPU has no
+    bf16 units, where dtype auto now picks bf16): greedy SD (verify of K + 1 rows) and SSD (the draft side
+    in process, its tree steps and a fan-out, hits and misses both) emit AR's tokens, one-row decode steps."""
+    from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig
+    from rollout_ssd.models.loader import load_pretrained
+    from tests.support.models import tiny_pair
+    from tests.test_ssd_helpers import ar_engine, ssd_engine
+
+    tiny_pair(tmp_path, vocab=48)
+    target, draft = (load_pretrained(str(tmp_path / name), dtype="bfloat16") for name in ("target", "draft"))
+    prompts = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [3, 3, 3, 3]]
+    params = SamplingParams(temperature=0, max_new_tokens=16, n=2, ignore_eos=True)
+    ar = [r.token_ids for r in ar_engine(target, 3).sample(prompts, params)]
+    sd = RolloutEngine(target, SpecConfig(method="sd", k=3), EngineConfig(max_batch_size=3, max_model_len=128),
+                       draft=draft)
+    assert [r.token_ids for r in sd.sample(prompts, params)] == ar
+    ssd = ssd_engine(target, draft, batch=3, k=3, fanout=(1, 1, 1, 2))
+    assert [r.token_ids for r in ssd.sample(prompts, params)] == ar
+    m = ssd.metrics()
+    assert 0 < m["ssd/hits"] < m["ssd/rounds"] - m["ssd/cold_rounds"]
+    ssd.close()
+    assert any(key.endswith(":rows") for key in target.model.layers[0].row_major._copies)  # the kernel served them
