@@ -3,7 +3,8 @@
 
 Part 1 runs SmolLM2-135M's 30 layers of linears (random weights of its shapes) plus its LM head, one
 chain per call so that the weights stream from memory, through: the bf16 rows kernel (bf16_rows.py, where
-the CPU has avx512_bf16: what a bf16 decode step runs at 1..2 rows on AMX, up to 32 elsewhere), torch's int8 weight-only
+the CPU has AVX-512: what a bf16 decode step runs at 1..2 rows on AMX, up to 32 with avx512_bf16, every
+row count without bf16 units), torch's int8 weight-only
 kernel (`aten._weight_int8pack_mm`) and torch's int4 kernel (`aten._weight_int4pack_mm_for_cpu`,
 groups of 32). Part 2 times one eager decode step (`ModelRunner.decode` after a 120-token prompt)
 of the target and of its int4 draft, and the seconds its int4 copies take to be made again after an
@@ -80,7 +81,7 @@ def linears(args) -> list[dict]:
             for kind in ("bf16", "int8", "int4"):
                 if kind in packed:
                     row[f"{kind} ms"] = _median_ms(lambda kind=kind, xs=xs: _chain(kind, ws, packed[kind], xs), args.repeats)
-            if "bf16 ms" in row:  # bf16: the rows kernel (needs avx512_bf16)
+            if "bf16 ms" in row:  # bf16: the rows kernel (needs AVX-512)
                 row["int8 speed-up"], row["int4 speed-up"] = row["bf16 ms"] / row["int8 ms"], row["bf16 ms"] / row["int4 ms"]
             rows.append(row)
     return rows

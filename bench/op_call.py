@@ -31,7 +31,7 @@ def main(argv=None):
     if args.quick:
         args.calls = 200
     if not bf16_rows.available():
-        sys.exit("the bf16 rows kernel does not run here (it needs avx512_bf16 and a C compiler)")
+        sys.exit("the bf16 rows kernel does not run here (it needs AVX-512 and a C compiler)")
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(args.size, args.size, generator=gen).to(torch.bfloat16)

@@ -5,7 +5,7 @@ runs the 121 linears of SmolLM2-135M's shapes (30 layers x qkv, o, gate_up, down
 269 MB of random bf16 weights, more than the caches hold) on `--rows` rows; called from Python one
 linear at a time, each call's own overhead would hide the kernels. Forms:
 - "onednn packed": `rollout_ssd::packed_linear` (cpu_backend: oneDNN's packed linear as an opaque op);
-- "bf16 rows": `rollout_ssd::bf16_rows` (models/bf16_rows.py: the avx512_bf16 dot-product kernel) over
+- "bf16 rows": `rollout_ssd::bf16_rows` (models/bf16_rows.py: the bf16 rows kernel, this CPU's build) over
   its packed copy, an opaque op too;
 - "reduction": (W.float() * x.float()).sum(-1), a loop inductor generates and fuses, the weight as is;
 - "blocked 16": the same over a copy of W blocked [N/16, K, 16] (16 outputs a vector);

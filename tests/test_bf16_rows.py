@@ -25,7 +25,7 @@ from rollout_ssd.models import bf16_rows, cpu_backend
 from rollout_ssd.models.cpu_backend import packed_linear, rows_kernel_rows
 from rollout_ssd.models.weight_copies import WeightCopies
 
-needs_kernel = pytest.mark.skipif(not bf16_rows.available(), reason="no avx512_bf16 or no C compiler: the kernel is off")
+needs_kernel = pytest.mark.skipif(not bf16_rows.available(), reason="no AVX-512 or no C compiler: the kernel is off")
 
 
 def builds() -> list:
@@ -104,6 +104,33 @@ def test_kernel_is_within_its_rounding_bound_of_float64(kind, shape, rows):
 
 @needs_kernel
 @pytest.mark.parametrize("kind", ["dot", "widened"])
+def test_the_output_is_rounded_to_bf16_as_torchs_cast(kind):
+    """x = 0, so each output is its bias, rounded once to bf16: bitwise torch's float -> bf16 cast (round to
+    nearest, ties to even, overflow to inf) for random float32 bit patterns, ties both ways, the largest
+    finite values, infinities and (widened build) subnormals; NaN stays NaN. The dot build's vcvtneps2bf16
+    treats subnormals as zeros (Intel's definition of the instruction), so there they are left out."""
+    if kind not in builds():
+        pytest.skip(f"the {kind} build does not run on this CPU")
+    fn = kernel_fn(kind)
+    gen = torch.Generator().manual_seed(5)
+    special = [0x3F808000, 0x3F818000, 0x3F80C000, 0xBF818000, 0x7F7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0xFF7FFFFF,
+               0x7F800000, 0xFF800000, 0x00008000, 0x00018000, 0x007FFFFF, 0x80008001, 0x00000001, 0x3F800000]
+    bits = torch.cat([torch.tensor(special, dtype=torch.int64),
+                      torch.randint(0, 1 << 32, (4000,), generator=gen, dtype=torch.int64)])
+    bias = (bits - ((bits >= 1 << 31).long() << 32)).to(torch.int32).view(torch.float32)  # the patterns as floats
+    bias = torch.where(bias == 0, torch.ones_like(bias), bias)  # no zeros: 0 + (-0) is +0, the cast keeps -0
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    w = (torch.randn(bias.numel(), 64, generator=gen) * 0.05).to(torch.bfloat16)
+    out = bf16_rows.linear(x, bf16_rows.pack(w), bias.numel(), bias, kernel=fn)
+    nan, subnormal = bias.isnan(), bias.abs() < torch.finfo(torch.float32).tiny
+    assert nan.any() and out.isnan()[:, nan].all()
+    exact = ~nan & ~subnormal if kind == "dot" else ~nan
+    assert subnormal.sum() >= 5 and exact.sum() > 3900
+    assert torch.equal(out[:, exact].view(torch.int16), bias[exact].to(torch.bfloat16).expand(2, -1).view(torch.int16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["dot", "widened"])
 def test_a_rows_result_does_not_depend_on_its_batch_or_the_thread_count(kind):
     if kind not in builds():
         pytest.skip(f"the {kind} build does not run on this CPU")
@@ -111,7 +138,7 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_thread_count(kind):
     w, x, bias = case(1000, 576, 16, seed=7)  # 1000: the last tile of 64 is partial
     packed = bf16_rows.pack(w)
     alone = torch.cat([bf16_rows.linear(x[i:i + 1], packed, 1000, bias, kernel=fn) for i in range(16)])
-    for m in range(1, 17):  # groups of up to 7 (dot) or 4 (widened) rows: 8 = 4 + 4, 13 = 7 + 6 or 4 + 3 x 3, ...
+    for m in range(1, 17):  # groups of up to 7 (dot) or 5 (widened) rows: 8 = 4 + 4, 13 = 7 + 6 or 5 + 5 + 3, ...
         assert torch.equal(bf16_rows.linear(x[:m], packed, 1000, bias, kernel=fn), alone[:m]), m
         assert torch.equal(bf16_rows.linear(x[16 - m:], packed, 1000, bias, kernel=fn), alone[16 - m:]), m
     threads = torch.get_num_threads()
@@ -121,6 +148,11 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_thread_count(kind):
             assert torch.equal(bf16_rows.linear(x, packed, 1000, bias, kernel=fn), alone)
     finally:
         torch.set_num_threads(threads)
+    if kind == "widened":  # past its block of 256 rows widened at a time: the same sums
+        w, x, bias = case(100, 64, 600, seed=8)
+        packed = bf16_rows.pack(w)
+        alone = torch.cat([bf16_rows.linear(x[i:i + 3], packed, 100, bias, kernel=fn) for i in range(0, 600, 3)])
+        assert torch.equal(bf16_rows.linear(x, packed, 100, bias, kernel=fn), alone)
 
 
 @needs_kernel

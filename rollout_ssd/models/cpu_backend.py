@@ -222,8 +222,8 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: 
                   bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """F.linear(x, w, bias) for a frozen bf16 CPU weight in the fastest form for the row count (the bf16
     rows kernel over its packed copy at 1..rows_kernel_rows() rows where it runs, else oneDNN over its
-    packed copy), or None where neither applies (other dtypes, devices, training, more than
-    PACKED_BF16_MAX_ROWS rows). Inside a compiled step: the same kernels, as ops over the copies
+    packed copy), or None where neither applies (other dtypes, devices, training, more rows than
+    either serves: oneDNN's PACKED_BF16_MAX_ROWS). Inside a compiled step: the same kernels, as ops over the copies
     `pack_live` made. A frozen step takes only the rows kernel (its copy held by the graph; inductor's
     own bf16 GEMMs are slower at these row counts) and otherwise None (F.linear, which inductor packs
     itself); a live one (`live_steps`) also oneDNN's op, or a one-row reduction."""

@@ -42,7 +42,8 @@ class LoadedModel:
 
 def parse_dtype(dtype) -> torch.dtype:
     """A torch dtype from its name; "auto" is the CPU backend's pick for this machine
-    (`cpu_backend.auto_dtype`: bfloat16 where bf16 matmuls run natively, else float32)."""
+    (`cpu_backend.auto_dtype`: bfloat16 where bf16 matmuls run natively or at memory speed through the bf16
+    rows kernel's widened build, else float32)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":

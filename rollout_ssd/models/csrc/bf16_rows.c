@@ -15,7 +15,7 @@
  * in registers: a bf16 is the top half of a float32, so a 64-byte line of pairs gives the even k's
  * floats by a 16-bit left shift and the odd k's by masking off the low halves, two integer operations,
  * then one float32 fused multiply-add per row and k, whose x operand is a broadcast from a float32 copy
- * of x made once per call (widening x per tile cost a fifth more at 24 rows). The weight is still read as
+ * of x made once per block of up to X_BLOCK rows (widening x per tile cost a fifth more at 24 rows). The weight is read as
  * bf16 (half a float32 model's bytes), which is what bounds a few-row linear; oneDNN's emulated bf16 on
  * such a CPU ran slower than float32 (bench/RESULTS.md, "A sixth CPU kind", "bf16 without bf16 units").
  *
@@ -33,10 +33,10 @@
 #define MAX_GROUP 7
 #define EXPORT bf16_rows_linear
 #else
-#ifndef MAX_GROUP
 #define MAX_GROUP 5      /* 20 accumulators, a line's two widened halves, the mask, the broadcasts */
-#endif
 #define EXPORT bf16_rows_linear_widened
+/* Rows of x widened to float32 at a time (the copy's size: X_BLOCK x k floats, 9 MB at k = 8960). */
+#define X_BLOCK 256
 #endif
 /* How far ahead a thread asks for its weight stream (64-byte lines, into L2): without a prefetch, or
  * with one into L1, one thread read the weight more slowly than a plain sum over the same tensor; 64-128
@@ -63,7 +63,7 @@ static inline __attribute__((always_inline)) void tile_group(
             for (int r = 0; r < rows; r++)
                 acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)_mm512_set1_epi32(((const int32_t *)x)[r * x_pairs + p]), wt);
         }
-#else  /* x: the rows widened to float32 once per call ([rows, 2 * x_pairs] floats) */
+#else  /* x: the rows widened to float32 ([rows, 2 * x_pairs] floats), a block of rows at a time */
         const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
         const float *xf = (const float *)x + 2 * p;
 #pragma GCC unroll 4
@@ -92,7 +92,7 @@ static inline __attribute__((always_inline)) void tile_group(
             __m512 v = _mm512_add_ps(acc[r][t], b);
 #if defined(__AVX512BF16__)
             __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-#else  /* round to nearest even by integer arithmetic (NaN kept quiet), as vcvtneps2bf16 does */
+#else  /* round to nearest even by integer arithmetic, as torch's float -> bf16 cast (subnormals kept, NaN kept a quiet NaN) */
             __m512i bits = _mm512_castps_si512(v);
             __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
             __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
@@ -123,45 +123,51 @@ static void tile_rows(int rows, const void *x, long x_pairs, const __m512i *w, l
     }
 }
 
-/* x [m, k] bf16 contiguous (k even), packed: ceil(n / 64) tiles of (k / 2) x 64 x 2 bf16, bias float32
- * [n] or NULL, out [m, n] bf16 contiguous. Tiles are shared among `threads` OpenMP threads (the runtime
- * torch itself uses, when torch's libgomp is the one loaded). Returns 0, or -1 where the widened build
- * could not allocate its float32 copy of x (out not written). */
-int EXPORT(const uint16_t *x, long m, long k, const uint16_t *packed, long n, const float *bias,
-           uint16_t *out, int threads)
+/* m rows of x (row r at x_rows + r * row_bytes: bf16 pairs for the dot build, floats for the widened one)
+ * times every tile, the tiles shared among `threads` OpenMP threads (the runtime torch itself uses, when
+ * torch's libgomp is the one loaded), the rows in groups of at most MAX_GROUP. */
+static void rows_by_tiles(const char *x_rows, long row_bytes, long m, long pairs, const uint16_t *packed, long n,
+                          const float *bias, uint16_t *out, int threads)
 {
-    if (m <= 0 || n <= 0)
-        return 0;
-    const long pairs = k / 2, tiles = (n + TILE - 1) / TILE;
+    const long tiles = (n + TILE - 1) / TILE;
     const long groups = (m + MAX_GROUP - 1) / MAX_GROUP;
     const long per_group = (m + groups - 1) / groups;
-#if defined(__AVX512BF16__)
-    const void *rows_in = x;
-    const long row_stride = pairs;  /* in int32 pairs */
-#else
-    /* each x element widened once here rather than once per tile: a bf16 is a float32's top half */
-    uint32_t *wide = (uint32_t *)malloc((size_t)(m * k) * sizeof(uint32_t));
-    if (!wide)
-        return -1;
-    for (long i = 0; i < m * k; i++)
-        wide[i] = (uint32_t)x[i] << 16;
-    const void *rows_in = wide;
-    const long row_stride = k;  /* in floats */
-#endif
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (long tile = 0; tile < tiles; tile++) {
         const __m512i *w = (const __m512i *)(packed + tile * pairs * TILE * 2);
         for (long r0 = 0; r0 < m; r0 += per_group) {
             int rows = (int)(m - r0 < per_group ? m - r0 : per_group);
-#if defined(__AVX512BF16__)
-            const void *xr = (const int32_t *)rows_in + r0 * row_stride;
-#else
-            const void *xr = (const float *)rows_in + r0 * row_stride;
-#endif
-            tile_rows(rows, xr, pairs, w, pairs, bias, out + r0 * n, n, tile * TILE);
+            tile_rows(rows, x_rows + r0 * row_bytes, pairs, w, pairs, bias, out + r0 * n, n, tile * TILE);
         }
     }
-#if !defined(__AVX512BF16__)
+}
+
+/* x [m, k] bf16 contiguous (k even), packed: ceil(n / 64) tiles of (k / 2) x 64 x 2 bf16, bias float32
+ * [n] or NULL, out [m, n] bf16 contiguous, `threads` OpenMP threads. Returns 0, or -1 where the widened
+ * build could not allocate its float32 copy of x (out not written). */
+int EXPORT(const uint16_t *x, long m, long k, const uint16_t *packed, long n, const float *bias,
+           uint16_t *out, int threads)
+{
+    if (m <= 0 || n <= 0)
+        return 0;
+    const long pairs = k / 2;
+#if defined(__AVX512BF16__)
+    rows_by_tiles((const char *)x, k * 2, m, pairs, packed, n, bias, out, threads);
+#else
+    /* x widened once per block of rows rather than once per tile (a bf16 is a float32's top half); a
+     * row's sums do not depend on the block or the group it is in */
+    const long block = m < X_BLOCK ? m : X_BLOCK;
+    uint32_t *wide = (uint32_t *)malloc((size_t)block * (size_t)k * sizeof(uint32_t));
+    if (!wide)
+        return -1;
+    for (long b0 = 0; b0 < m; b0 += block) {
+        const long rows = m - b0 < block ? m - b0 : block;
+        const uint16_t *src = x + b0 * k;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows * k >= (1L << 16))
+        for (long i = 0; i < rows * k; i++)
+            wide[i] = (uint32_t)src[i] << 16;
+        rows_by_tiles((const char *)wide, k * 4, rows, pairs, packed, n, bias, out + b0 * n, threads);
+    }
     free(wide);
 #endif
     return 0;
