@@ -27,7 +27,7 @@ from rollout_ssd.edges import Edges
 from rollout_ssd.kv_cache import KVCache
 from rollout_ssd.methods import BuildContext, make_strategy
 from rollout_ssd.metrics import EngineMetrics
-from rollout_ssd.models.attention import select_backend
+from rollout_ssd.models.attention import cache_dtype, select_backend
 from rollout_ssd.models.cpu_backend import warm_packed
 from rollout_ssd.models.cpu_memory import keep_freed_memory
 from rollout_ssd.models.loader import LoadedModel, load_draft, load_pretrained
@@ -50,7 +50,7 @@ def _context(target: LoadedModel, engine: EngineConfig, spec: SpecConfig,
                          f"(max_position_embeddings={cfg.max_position_embeddings})")
     max_len = engine.max_model_len or min(cfg.max_position_embeddings, 2048)
     slots = engine.max_batch_size
-    per_slot = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, target.model.dtype) * max_len
+    per_slot = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache_dtype(target.model)) * max_len
     if engine.kv_cache_bytes is not None:
         slots = min(slots, engine.kv_cache_bytes // per_slot)
         if slots < 1:
@@ -96,7 +96,7 @@ def _slots_on_gpu(target: LoadedModel, engine: EngineConfig, spec: SpecConfig, d
     if draft_len is not None and resolved(draft_device) == resolved(device):
         dcfg = draft.model.cfg
         per_slot += KVCache.bytes_per_token(dcfg.num_layers, dcfg.num_kv_heads, dcfg.head_dim,
-                                            draft.model.dtype) * draft_len
+                                            cache_dtype(draft.model)) * draft_len
         reserve += tree_bytes + memory.step_reserve_bytes(dcfg, draft.model.dtype, rows, MAX_STEP_TOKENS,
                                                           PREFILL_TOKENS_PER_FORWARD, draft_len)
     free, total = measured

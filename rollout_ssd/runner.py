@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 import torch
 
 from rollout_ssd.kv_cache import KVCache
+from rollout_ssd.models.attention import cache_dtype
 from rollout_ssd.models.decoder import Decoder, ForwardBatch
 
 # A prefill of many long prompts is split so one padded forward holds at most this many tokens.
@@ -24,7 +25,7 @@ class ModelRunner:
         self.device = model.embed.device
         self.static = None  # GraphedSteps, once `use_static_steps` is called
         self.cache = KVCache(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim,
-                             dtype=model.dtype, device=self.device)
+                             dtype=cache_dtype(model), device=self.device)
 
     def use_static_steps(self, buckets=None, graphs: Optional[bool] = None, compiled=False,
                          pad_t: Optional[int] = None) -> None:

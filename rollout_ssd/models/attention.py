@@ -124,8 +124,25 @@ def _visible_mask(layout: KeyLayout) -> Optional[torch.Tensor]:
 EXPLICIT_ATTENTION_MAX_QUERIES = 16
 
 
+def cache_dtype(model) -> torch.dtype:
+    """The dtype of a model's KV cache: the model's, except a bf16 model on a CPU without bf16 units whose
+    linears run the widened bf16 rows kernel (`cpu_backend.widened_bf16`), with the SDPA backend. There the
+    cache is float32: it holds the same bf16 values exactly (k and v are bf16 when written), and the
+    explicit attention, which works on float32 copies of k and v, reads it without casting the whole
+    cache of every layer on every step (at 24 rows of 300 positions the casts were 0.37 of a layer's
+    0.97 ms: bench/RESULTS.md, "bf16 without bf16 units"); a prefill's SDPA runs on it in float32. Twice
+    the KV bytes of a bf16 cache."""
+    from rollout_ssd.models.cpu_backend import widened_bf16
+
+    if model.dtype == torch.bfloat16 and model.embed.is_cpu and isinstance(model.backend, SDPABackend) \
+            and widened_bf16():
+        return torch.float32
+    return model.dtype
+
+
 def explicit_attention_applies(q: torch.Tensor) -> bool:
-    """Whether `explicit_attention` serves this attention call: q [B, Hq, T, D] 16-bit on a CPU, T small."""
+    """Whether `explicit_attention` serves this attention call: q [B, Hq, T, D] 16-bit on a CPU, T small
+    (over a 16-bit cache, or the float32 cache `cache_dtype` gives such a model)."""
     return q.is_cpu and q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] <= EXPLICIT_ATTENTION_MAX_QUERIES
 
 
@@ -155,8 +172,11 @@ class SDPABackend(AttentionBackend):
 
     def __call__(self, q, k_cache, v_cache, prepared: MaskedRead, scale):
         k, v = prepared.read(k_cache), prepared.read(v_cache)
-        if explicit_attention_applies(q):  # a few queries on a 16-bit CPU cache: the explicit form
+        if explicit_attention_applies(q):  # a few queries of a 16-bit model on a CPU: the explicit form
             return explicit_attention(q, k, v, prepared.mask, scale)
+        if q.dtype != k.dtype:  # a float32 cache of a bf16 model (`cache_dtype`): SDPA in the cache's dtype
+            return F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=prepared.mask, scale=scale,
+                                                  enable_gqa=q.shape[1] != k.shape[1]).to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=prepared.mask, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
 

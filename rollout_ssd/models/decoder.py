@@ -250,8 +250,8 @@ class Decoder(nn.Module):
         def write(kc: torch.Tensor, k: torch.Tensor) -> None:  # k [B, T, Hkv, D]
             if block_write:
                 kc[lo:hi, :, start:start + t] = k.transpose(1, 2)
-            else:
-                kc[write_slot, :, write_pos] = k
+            else:  # (a float32 cache of a bf16 model, attention.cache_dtype: k widened exactly)
+                kc[write_slot, :, write_pos] = k.to(kc.dtype)
 
         x = F.embedding(batch.tokens, self.embed)
         cos, signed_sin = self.rope_tables(batch.positions)
