@@ -465,8 +465,8 @@ def test_greedy_sd_and_ssd_of_a_bf16_pair_emit_ar_tokens_through_the_kernel(tmp_
 def test_a_bf16_models_float32_cache_where_bf16_is_widened_changes_no_decode_or_verify_output(tmp_path, monkeypatch):
     """Where the widened kernel runs (`cpu_backend.widened_bf16`), a bf16 model's KV cache is float32
     (`attention.cache_dtype`): the same bf16 values, so decode and verify steps (the explicit attention, which
-    works in float32) are bitwise those over a bf16 cache; a prefill past the explicit form's 16 queries runs
-    SDPA in float32, its logits within 5% of the largest of the bf16 cache's. Elsewhere the cache keeps the model's dtype."""
+    works in float32) and a prefill past the explicit form's 16 queries (SDPA over the values cast back to
+    bf16) are bitwise those over a bf16 cache. Elsewhere the cache keeps the model's dtype."""
     from rollout_ssd import runner as runner_module
     from rollout_ssd.models import attention
     from rollout_ssd.models.loader import load_pretrained
@@ -488,7 +488,5 @@ def test_a_bf16_models_float32_cache_where_bf16_is_widened_changes_no_decode_or_
         out[dtype] = [runner.prefill([0, 1], [[1, 2, 3, 4, 5], [6, 7]]), runner.decode([0, 1], [8, 9]),
                       runner.extend([0, 1], [[1, 2, 3, 4], [5, 6, 7, 8]]),
                       runner.prefill([2], [list(range(1, 25))])]  # 24 queries: SDPA
-    for a, b in zip(out[torch.float32][:3], out[torch.bfloat16][:3]):
+    for a, b in zip(out[torch.float32], out[torch.bfloat16]):
         assert torch.equal(a, b)
-    long32, long16 = out[torch.float32][3].double(), out[torch.bfloat16][3].double()
-    assert float((long32 - long16).abs().max()) <= 0.05 * float(long16.abs().max())

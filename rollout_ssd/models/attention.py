@@ -130,8 +130,8 @@ def cache_dtype(model) -> torch.dtype:
     cache is float32: it holds the same bf16 values exactly (k and v are bf16 when written), and the
     explicit attention, which works on float32 copies of k and v, reads it without casting the whole
     cache of every layer on every step (at 24 rows of 300 positions the casts were 0.37 of a layer's
-    0.97 ms: bench/RESULTS.md, "bf16 without bf16 units"); a prefill's SDPA runs on it in float32. Twice
-    the KV bytes of a bf16 cache."""
+    0.97 ms: bench/RESULTS.md, "bf16 without bf16 units"); SDPA (a prefill) reads it cast back to bf16.
+    Every output is bitwise what a bf16 cache gives. Twice the KV bytes of a bf16 cache."""
     from rollout_ssd.models.cpu_backend import widened_bf16
 
     if model.dtype == torch.bfloat16 and model.embed.is_cpu and isinstance(model.backend, SDPABackend) \
@@ -174,9 +174,8 @@ class SDPABackend(AttentionBackend):
         k, v = prepared.read(k_cache), prepared.read(v_cache)
         if explicit_attention_applies(q):  # a few queries of a 16-bit model on a CPU: the explicit form
             return explicit_attention(q, k, v, prepared.mask, scale)
-        if q.dtype != k.dtype:  # a float32 cache of a bf16 model (`cache_dtype`): SDPA in the cache's dtype
-            return F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=prepared.mask, scale=scale,
-                                                  enable_gqa=q.shape[1] != k.shape[1]).to(q.dtype)
+        if q.dtype != k.dtype:  # a float32 cache of a bf16 model (`cache_dtype`): its bf16 values back, exactly
+            k, v = k.to(q.dtype), v.to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=prepared.mask, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
 
