@@ -110,13 +110,15 @@ class RolloutEngine:
         self.target = target
         self.spec = spec
         self.config = engine
+        for loaded in (target, draft):  # the attention backend of each model the engine runs, by its device
+            if loaded is not None:  # (and, for "auto", whether its steps are captured: the target's alone),
+                loaded.model.backend = select_backend(  # before the KV plan: it sets the cache's dtype
+                    engine.attention, loaded.model.embed.device, static_steps=engine.cuda_graphs and loaded is target)
         self.max_model_len, slots = _context(target, engine, spec, draft)
         if target.model.embed.is_cpu:
             keep_freed_memory()  # a large batch's multi-MB tensors reused, not faulted in again each step
-        for loaded in (target, draft):  # the attention backend of each model the engine runs, by its device
-            if loaded is not None:  # (and, for "auto", whether its steps are captured: the target's alone)
-                loaded.model.backend = select_backend(engine.attention, loaded.model.embed.device,
-                                                      static_steps=engine.cuda_graphs and loaded is target)
+        for loaded in (target, draft):
+            if loaded is not None:
                 warm_packed(loaded.model)  # the CPU kernels its first rounds would otherwise make
         self.runner = ModelRunner(target.model, num_slots=slots, max_len=self.max_model_len)
         if engine.cuda_graphs:

@@ -490,3 +490,23 @@ def test_a_bf16_models_float32_cache_where_bf16_is_widened_changes_no_decode_or_
                       runner.prefill([2], [list(range(1, 25))])]  # 24 queries: SDPA
     for a, b in zip(out[torch.float32], out[torch.bfloat16]):
         assert torch.equal(a, b)
+
+
+def test_the_engines_kv_plan_counts_the_dtype_its_cache_gets(tmp_path):
+    """kv_cache_bytes is divided by the bytes a slot's cache takes in the dtype it gets (`attention.cache_dtype`,
+    float32 for a bf16 model where bf16 is widened), with the backend the engine gives the model, not the one
+    an earlier engine left on it."""
+    from rollout_ssd import EngineConfig, RolloutEngine, SpecConfig
+    from rollout_ssd.kv_cache import KVCache
+    from rollout_ssd.models.loader import load_pretrained
+    from tests.support.models import build_tiny
+
+    build_tiny(tmp_path, family="qwen2-bias-tied")
+    target = load_pretrained(str(tmp_path), dtype="bfloat16")
+    target.model.backend = object()  # left by an earlier engine: not the SDPA backend this one selects
+    cfg = target.model.cfg
+    dtype = torch.float32 if cpu_backend.widened_bf16() else torch.bfloat16
+    per_slot = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype) * 64
+    engine = RolloutEngine(target, SpecConfig(method="ar"), EngineConfig(max_batch_size=8, max_model_len=64,
+                                                                         kv_cache_bytes=5 * per_slot))
+    assert engine.runner.cache.num_slots == 5 and engine.runner.cache.keys[0].dtype == dtype
