@@ -6,9 +6,12 @@ machine noise hits both alike: a prefill of B prompts of --prompt-len tokens, a 
 per row) and a verify-shaped step (K+1 tokens per row) after that prefill, at each batch size and
 thread count asked. Medians over --repeats after a warm-up. The last column says which dtype was
 faster; the JSON last line carries every figure, what "auto" picks here and the machine note.
+`--bf16-caches bfloat16,float32` times the bf16 model over each KV cache dtype named (its runner's cache
+replaced; `attention.cache_dtype` picks one per CPU kind), each against float32.
 
     .venv/bin/python bench/dtype_auto.py                      # batches 1,8; threads 1,2
     .venv/bin/python bench/dtype_auto.py --quick              # batch 1, one thread, 3 repeats
+    .venv/bin/python bench/dtype_auto.py --bf16-caches bfloat16,float32 --batches 1,8,24
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import torch
 
 common.add_repo_to_path()
 
+from rollout_ssd.kv_cache import KVCache  # noqa: E402
 from rollout_ssd.models import cpu_backend  # noqa: E402
+from rollout_ssd.models.attention import cache_dtype  # noqa: E402
 from rollout_ssd.models.loader import load_pretrained  # noqa: E402
 from rollout_ssd.runner import ModelRunner  # noqa: E402
 
@@ -62,6 +67,8 @@ def main(argv=None) -> dict:
     p.add_argument("--k", type=int, default=3, help="the verify step feeds K+1 tokens per row")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="batch 1, one thread, 3 repeats")
+    p.add_argument("--bf16-caches", default="", help="comma list of KV cache dtypes for the bf16 model "
+                   "(bfloat16, float32); default: the one attention.cache_dtype picks")
     args = p.parse_args(argv)
     if args.quick:
         args.batches, args.threads, args.repeats = "1", "1", 3
@@ -70,6 +77,14 @@ def main(argv=None) -> dict:
     models = {name: load_pretrained("smollm2-135m-instruct", dtype=dt).model for name, dt in dtypes.items()}
     max_len = args.prompt_len + args.k + 2
     runners = {name: ModelRunner(m, num_slots=max(batches), max_len=max_len) for name, m in models.items()}
+    cfg = models["bfloat16"].cfg
+    picked = str(cache_dtype(models["bfloat16"])).removeprefix("torch.")
+    for cache in [c for c in args.bf16_caches.split(",") if c]:
+        runner = ModelRunner(models["bfloat16"], num_slots=max(batches), max_len=max_len)
+        runner.cache = KVCache(cfg.num_layers, max(batches), max_len, cfg.num_kv_heads, cfg.head_dim,
+                               dtype=getattr(torch, cache), device=runner.device)
+        runners[f"bfloat16+{cache}_cache"] = runner
+    print(f"the bf16 model's cache here: {picked} (attention.cache_dtype)")
     rows = []
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
@@ -80,6 +95,8 @@ def main(argv=None) -> dict:
                 f32, bf16 = med["float32"][key], med["bfloat16"][key]
                 row[f"{key}_f32_ms"], row[f"{key}_bf16_ms"] = 1e3 * f32, 1e3 * bf16
                 row[f"{key}_bf16_over_f32"] = bf16 / f32
+                for name in [n for n in med if n.startswith("bfloat16+")]:
+                    row[f"{key}_{name.removeprefix('bfloat16+')}_over_f32"] = med[name][key] / f32
             rows.append(row)
     common.print_table(rows)
     auto = cpu_backend.auto_dtype()
@@ -87,7 +104,8 @@ def main(argv=None) -> dict:
     print(f"CPU kind {cpu_backend.cpu_kind()}; dtype auto = {auto} ({cpu_backend.describe_auto_dtype()}); "
           f"share of rows where bf16 was faster: {verdict}")
     result = {"bench": "dtype_auto", "cpu_kind": cpu_backend.cpu_kind(), "auto": str(auto),
-              "auto_reason": cpu_backend.describe_auto_dtype(), "prompt_len": args.prompt_len, "k": args.k,
+              "auto_reason": cpu_backend.describe_auto_dtype(), "bf16_cache_picked": picked,
+              "prompt_len": args.prompt_len, "k": args.k,
               "repeats": args.repeats, "rows": rows, "bf16_faster_share": verdict, "machine": common.machine_note()}
     common.print_json_line(result)
     return result

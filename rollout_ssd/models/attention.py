@@ -119,8 +119,9 @@ def _visible_mask(layout: KeyLayout) -> Optional[torch.Tensor]:
 
 # Attention of a few queries per row over a 16-bit CPU cache (decode, verify, SSD's tree steps): PyTorch's
 # CPU flash kernel with a visibility mask costs several times the explicit softmax(q k^T) v on float32
-# copies at batch 4 and more (bench/RESULTS.md, "Attention of a few queries on a bf16 CPU cache"), which
-# is also closer to a float64 reference. float32 caches and longer (prefill) rows keep SDPA.
+# copies at batch 4 and more on CPUs without AMX (bench/RESULTS.md, "Attention of a few queries on a bf16
+# CPU cache"), which is also closer to a float64 reference; on AMX the flash kernel is the faster
+# (cpu_backend.SDPA_FEW_QUERIES_KINDS). float32 caches and longer (prefill) rows keep SDPA.
 EXPLICIT_ATTENTION_MAX_QUERIES = 16
 
 
@@ -142,8 +143,12 @@ def cache_dtype(model) -> torch.dtype:
 
 def explicit_attention_applies(q: torch.Tensor) -> bool:
     """Whether `explicit_attention` serves this attention call: q [B, Hq, T, D] 16-bit on a CPU, T small
-    (over a 16-bit cache, or the float32 cache `cache_dtype` gives such a model)."""
-    return q.is_cpu and q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] <= EXPLICIT_ATTENTION_MAX_QUERIES
+    (over a 16-bit cache, or the float32 cache `cache_dtype` gives such a model), on a CPU kind where
+    it beats SDPA."""
+    from rollout_ssd.models.cpu_backend import SDPA_FEW_QUERIES_KINDS, cpu_kind
+
+    return q.is_cpu and q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] <= EXPLICIT_ATTENTION_MAX_QUERIES \
+        and cpu_kind() not in SDPA_FEW_QUERIES_KINDS
 
 
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],

@@ -9,15 +9,13 @@ another order), never the model:
 - bf16 (`packed_linear`): at 1..`rows_kernel_rows()` rows (per CPU kind) on AVX-512 the bf16 rows kernel
   (bf16_rows.py: the weight read at memory speed, a row's result independent of its batch, within bf16
   rounding of F.linear); otherwise, with bf16 units, oneDNN's linear over packed weights, bitwise F.linear;
-- inside a live compiled step (graphs.py, EngineConfig.compile="live"): the same kernels, as ops inductor
-  calls as they are (`rollout_ssd::bf16_rows`, `rollout_ssd::packed_linear`), over copies `pack_live`
-  keeps current; with the rows kernel off, a one-row linear is a float32 reduction over the weight,
-  which inductor fuses into one loop that streams it;
-- dtype "auto": bfloat16 where bf16 matmuls run natively or at memory speed (`widened_bf16`), else float32.
+- inside a live compiled step (graphs.py): the same kernels, as ops inductor calls as they are, over copies
+  `pack_live` keeps current; with the rows kernel off, a one-row linear is a float32 reduction inductor streams;
+- dtype "auto": bfloat16 where bf16 matmuls run natively or at memory speed (`widened_bf16`), else float32;
+- which attention form a few queries over a 16-bit cache take (`SDPA_FEW_QUERIES_KINDS`).
 
-The CPU kind is read once per process (`cpu_kind`). Measurements behind these choices: bench/RESULTS.md ("GEMM
-widths", "bfloat16 and dtype auto", "bf16 kernel for a few rows", "The float32 rows kernel"); bench/bench_gemm.py,
-bench/bf16_rows_kernel.py and bench/f32_rows_kernel.py re-measure them.
+The CPU kind is read once per process (`cpu_kind`). Measurements behind these choices: bench/RESULTS.md;
+bench/bench_gemm.py, bench/bf16_rows_kernel.py and bench/f32_rows_kernel.py re-measure them.
 """
 
 from __future__ import annotations
@@ -78,10 +76,9 @@ BF16_UNITS = ("amx", "avx512_bf16")  # CPU kinds with bf16 dot-product instructi
 
 def native_bf16() -> bool:
     """Whether bfloat16 matmuls run natively here: a CUDA device, or a CPU with bf16 dot-product units
-    (AMX or avx512_bf16). oneDNN also says bf16 is supported on AVX-512 CPUs without them
-    (`_is_mkldnn_bf16_supported`), where it widens every bf16 operand to float32 in registers: there
-    prefill, batched decode and a batch-1 decode step all measured slower in bf16 than in float32
-    (bench/RESULTS.md, "A sixth CPU kind"), so those count as not native."""
+    (AMX or avx512_bf16). oneDNN also says so on AVX-512 CPUs without them (`_is_mkldnn_bf16_supported`),
+    where it widens every bf16 operand to float32 in registers: prefill and decode measured slower in bf16
+    than in float32 there (bench/RESULTS.md, "A sixth CPU kind"), so those count as not native."""
     return torch.cuda.is_available() or cpu_kind() in BF16_UNITS
 
 
@@ -161,6 +158,10 @@ def _row_major(w: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Ten
     return w.contiguous() if out is None else out.copy_(w)
 
 
+# CPU kinds where a few queries per row over a 16-bit cache take PyTorch's SDPA, not attention.py's explicit form
+SDPA_FEW_QUERIES_KINDS = ("amx",)  # (its flash kernel: 0.75-0.97x the explicit form's step time; RESULTS, "SDPA on AMX")
+
+
 def gemm_rows(m: int) -> int:
     """The row count `linear` and the LM head run an m-row W @ x.T at (m, or up to 7 zero rows more)."""
     if m <= 16:
@@ -196,10 +197,9 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, None)
 
 
-# bf16 linears of 1..rows_kernel_rows() rows run bf16_rows.py's kernel where the CPU has AVX-512, oneDNN's packed
-# linear above; on AMX oneDNN is the faster from 3 rows; without bf16 units the widened kernel takes every row count
-# (oneDNN emulates bf16 there, 3x slower). By cpu_kind(); 32 on the others. (RESULTS.md: "bf16 kernel for a few rows",
-# "A fifth CPU kind", "bf16 without bf16 units".)
+# bf16 linears of 1..N rows run bf16_rows.py's kernel on AVX-512, oneDNN's packed linear above: N = 2 on AMX (oneDNN
+# faster from 3 rows), every row count without bf16 units (oneDNN emulates bf16, 3x slower), 32 elsewhere. (RESULTS.md:
+# "bf16 kernel for a few rows", "A fifth CPU kind", "bf16 without bf16 units".)
 ROWS_KERNEL_MAX_ROWS = {"amx": 2, "avx512": 1 << 30}
 _ROWS_KERNEL_ROWS = ROWS_KERNEL_MAX_ROWS.get(cpu_kind(), 32)  # read once: compiled steps trace the plain read
 
