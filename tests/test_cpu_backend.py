@@ -140,6 +140,8 @@ def test_explicit_attention_is_gqa_masked_attention_within_its_output_rounding(d
     mask = torch.rand(b, 1, t, length, generator=g) > 0.3
     mask[..., 0] = True  # every query sees a key
     assert explicit_attention_applies(q) == (cpu_backend.cpu_kind() not in cpu_backend.SDPA_FEW_QUERIES_KINDS)
+    if not explicit_attention_applies(q):  # (this CPU kind takes SDPA: the form is checked below, both ways)
+        return
     out = explicit_attention(q, k, v, mask, 0.125).double()
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.double(), k.double().repeat_interleave(3, 1), v.double().repeat_interleave(3, 1), attn_mask=mask, scale=0.125)
@@ -158,16 +160,17 @@ def test_explicit_attention_is_gqa_masked_attention_within_its_output_rounding(d
 @pytest.mark.parametrize("b,t,length", [(1, 1, 37), (4, 1, 200), (3, 5, 64), (2, 16, 50)])
 def test_few_query_attention_takes_the_form_listed_for_the_cpu_kind_within_a_stated_bound(monkeypatch, sdpa_here, dtype,
                                                                                           b, t, length):
-    """The SDPA backend on a few queries over a 16-bit CPU cache: with this CPU kind listed in
-    cpu_backend.SDPA_FEW_QUERIES_KINDS it is PyTorch's SDPA, bitwise; otherwise the explicit form, bitwise.
+    """The SDPA backend on a few queries over a 16-bit CPU cache: with attention.SDPA_FEW_QUERIES (this CPU
+    kind in cpu_backend.SDPA_FEW_QUERIES_KINDS) it is PyTorch's SDPA, bitwise; otherwise the explicit form.
     Either is within a bound of float64 attention computed from the case: the output dtype's unit
     roundoff u of the result, plus u times sum_j p_j |v_j| (the flash kernel may round the probabilities to
     the input dtype before P @ V: each p_j within u of its value), plus 1e-5 of the largest magnitude for
     the float32 arithmetic. The bound holds for any kernel that rounds no more than that, on any CPU."""
+    from rollout_ssd.models import attention
     from rollout_ssd.models.attention import MaskedRead, SDPABackend, explicit_attention
 
-    kinds = (cpu_backend.cpu_kind(),) if sdpa_here else ()
-    monkeypatch.setattr(cpu_backend, "SDPA_FEW_QUERIES_KINDS", kinds)
+    assert attention.SDPA_FEW_QUERIES == (cpu_backend.cpu_kind() in cpu_backend.SDPA_FEW_QUERIES_KINDS)
+    monkeypatch.setattr(attention, "SDPA_FEW_QUERIES", sdpa_here)
     g = torch.Generator().manual_seed(b * 1000 + t * 10 + length)
     q = torch.randn(b, 9, t, 64, generator=g).to(dtype)
     kc = torch.randn(b + 1, 3, length + 5, 64, generator=g).to(dtype)  # a cache longer than the read, a spare slot

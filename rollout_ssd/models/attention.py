@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout_ssd.config import ATTENTION
+from rollout_ssd.models import cpu_backend
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,7 @@ def _visible_mask(layout: KeyLayout) -> Optional[torch.Tensor]:
 # CPU cache"), which is also closer to a float64 reference; on AMX the flash kernel is the faster
 # (cpu_backend.SDPA_FEW_QUERIES_KINDS). float32 caches and longer (prefill) rows keep SDPA.
 EXPLICIT_ATTENTION_MAX_QUERIES = 16
+SDPA_FEW_QUERIES = cpu_backend.cpu_kind() in cpu_backend.SDPA_FEW_QUERIES_KINDS  # read once: compiled steps trace it
 
 
 def cache_dtype(model) -> torch.dtype:
@@ -133,10 +135,8 @@ def cache_dtype(model) -> torch.dtype:
     cache of every layer on every step (at 24 rows of 300 positions the casts were 0.37 of a layer's
     0.97 ms: bench/RESULTS.md, "bf16 without bf16 units"); SDPA (a prefill) reads it cast back to bf16.
     Every output is bitwise what a bf16 cache gives. Twice the KV bytes of a bf16 cache."""
-    from rollout_ssd.models.cpu_backend import widened_bf16
-
     if model.dtype == torch.bfloat16 and model.embed.is_cpu and isinstance(model.backend, SDPABackend) \
-            and widened_bf16():
+            and cpu_backend.widened_bf16():
         return torch.float32
     return model.dtype
 
@@ -144,11 +144,9 @@ def cache_dtype(model) -> torch.dtype:
 def explicit_attention_applies(q: torch.Tensor) -> bool:
     """Whether `explicit_attention` serves this attention call: q [B, Hq, T, D] 16-bit on a CPU, T small
     (over a 16-bit cache, or the float32 cache `cache_dtype` gives such a model), on a CPU kind where
-    it beats SDPA."""
-    from rollout_ssd.models.cpu_backend import SDPA_FEW_QUERIES_KINDS, cpu_kind
-
+    it beats SDPA (not `SDPA_FEW_QUERIES`)."""
     return q.is_cpu and q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] <= EXPLICIT_ATTENTION_MAX_QUERIES \
-        and cpu_kind() not in SDPA_FEW_QUERIES_KINDS
+        and not SDPA_FEW_QUERIES
 
 
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
