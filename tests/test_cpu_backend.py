@@ -140,8 +140,6 @@ def test_explicit_attention_is_gqa_masked_attention_within_its_output_rounding(d
     mask = torch.rand(b, 1, t, length, generator=g) > 0.3
     mask[..., 0] = True  # every query sees a key
     assert explicit_attention_applies(q) == (cpu_backend.cpu_kind() not in cpu_backend.SDPA_FEW_QUERIES_KINDS)
-    if not explicit_attention_applies(q):  # (this CPU kind takes SDPA: the form is checked below, both ways)
-        return
     out = explicit_attention(q, k, v, mask, 0.125).double()
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.double(), k.double().repeat_interleave(3, 1), v.double().repeat_interleave(3, 1), attn_mask=mask, scale=0.125)
@@ -155,22 +153,30 @@ def test_explicit_attention_is_gqa_masked_attention_within_its_output_rounding(d
     assert not explicit_attention_applies(q.float()) and not explicit_attention_applies(torch.zeros(1, 9, 17, 64, dtype=dtype))
 
 
-@pytest.mark.parametrize("sdpa_here", [False, True])
+def query_major(q: torch.Tensor, mask: torch.Tensor) -> tuple:
+    """q [B, Hq, T, D] and mask [B, 1, T, L] as attention_error_bound's q [B * T, Hq, D], slot and visible."""
+    b, hq, t, d = q.shape
+    return (q.transpose(1, 2).reshape(b * t, hq, d), torch.arange(b).repeat_interleave(t),
+            mask[:, 0].reshape(b * t, -1))
+
+
+@pytest.mark.parametrize("sdpa_kind,kernel_on", [(False, False), (False, True), (True, False), (True, True)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("b,t,length", [(1, 1, 37), (4, 1, 200), (3, 5, 64), (2, 16, 50)])
-def test_few_query_attention_takes_the_form_listed_for_the_cpu_kind_within_a_stated_bound(monkeypatch, sdpa_here, dtype,
-                                                                                          b, t, length):
-    """The SDPA backend on a few queries over a 16-bit CPU cache: with attention.SDPA_FEW_QUERIES (this CPU
-    kind in cpu_backend.SDPA_FEW_QUERIES_KINDS) it is PyTorch's SDPA, bitwise; otherwise the explicit form.
-    Either is within a bound of float64 attention computed from the case: the output dtype's unit
-    roundoff u of the result, plus u times sum_j p_j |v_j| (the flash kernel may round the probabilities to
-    the input dtype before P @ V: each p_j within u of its value), plus 1e-5 of the largest magnitude for
-    the float32 arithmetic. The bound holds for any kernel that rounds no more than that, on any CPU."""
-    from rollout_ssd.models import attention
+def test_few_query_attention_takes_the_form_asked_within_the_attention_bound(monkeypatch, sdpa_kind, kernel_on, dtype,
+                                                                             b, t, length):
+    """The SDPA backend on a few queries over a 16-bit CPU cache takes, bitwise: the few_attention kernel
+    (bf16 queries, where it builds and is on); else PyTorch's SDPA where attention.SDPA_FEW_QUERIES holds
+    (this CPU kind in cpu_backend.SDPA_FEW_QUERIES_KINDS); else the explicit form. Each is within
+    tests/support/attention_bound.py's bound of float64 attention, derived from the case (it allows the
+    probabilities rounded to the cache dtype, which the flash kernel does), the same on every CPU."""
+    from rollout_ssd.models import attention, few_attention
     from rollout_ssd.models.attention import MaskedRead, SDPABackend, explicit_attention
+    from tests.support.attention_bound import attention_error_bound
 
     assert attention.SDPA_FEW_QUERIES == (cpu_backend.cpu_kind() in cpu_backend.SDPA_FEW_QUERIES_KINDS)
-    monkeypatch.setattr(attention, "SDPA_FEW_QUERIES", sdpa_here)
+    monkeypatch.setattr(attention, "SDPA_FEW_QUERIES", sdpa_kind)
+    monkeypatch.setattr(few_attention, "_ON", kernel_on)
     g = torch.Generator().manual_seed(b * 1000 + t * 10 + length)
     q = torch.randn(b, 9, t, 64, generator=g).to(dtype)
     kc = torch.randn(b + 1, 3, length + 5, 64, generator=g).to(dtype)  # a cache longer than the read, a spare slot
@@ -179,12 +185,13 @@ def test_few_query_attention_takes_the_form_listed_for_the_cpu_kind_within_a_sta
     mask[..., 0] = True
     out = SDPABackend()(q, kc, vc, MaskedRead(mask, 0, b, None, length), 0.125)
     k, v = kc[:b, :, :length], vc[:b, :, :length]
-    form = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True) if sdpa_here \
-        else explicit_attention(q, k, v, mask, 0.125)
-    assert torch.equal(out, form)
-    kd, vd = k.double().repeat_interleave(3, 1), v.double().repeat_interleave(3, 1)
-    ref = F.scaled_dot_product_attention(q.double(), kd, vd, attn_mask=mask, scale=0.125)
-    p = torch.softmax((q.double() @ kd.transpose(-1, -2) * 0.125).masked_fill(~mask, float("-inf")), dim=-1)
-    u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
-    bound = u * ref.abs() * (1 + 1e-3) + u * (p @ vd.abs()) + 1e-5 * ref.abs().max()
-    assert ((out.double() - ref).abs() <= bound).all()
+    if kernel_on and dtype == torch.bfloat16 and few_attention.available():
+        expected = few_attention.attend(q, k, v, mask, 0.125)
+    elif sdpa_kind:
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True)
+    else:
+        expected = explicit_attention(q, k, v, mask, 0.125)
+    assert torch.equal(out, expected)
+    flat_q, slot, visible = query_major(q, mask)
+    ref, bound = attention_error_bound(flat_q, k, v, slot, visible, dtype)
+    assert ((query_major(out, mask)[0].double() - ref).abs() <= bound).all()

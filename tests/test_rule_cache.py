@@ -122,8 +122,9 @@ def test_key_holds_the_cpu_linear_kernels(tmp_path, monkeypatch):
     """Turning the bf16 rows kernel off ($ROLLOUT_SSD_BF16_ROWS=0) changes every linear's cost of a bf16
     CPU model, so it changes the key (and the file): times measured with the kernel are not restored
     without it; so does its op's C++ kernel, which compiled steps call. A float32 model's linears never
-    run it: its part of the key is the same either way; the float32 rows kernel is its part."""
-    from rollout_ssd.models import bf16_rows, cpu_backend
+    run it: its part of the key is the same either way; the float32 rows kernel is its part. The form a
+    16-bit model's few-query attention takes (SDPA or not, the few_attention kernel) is in its part too."""
+    from rollout_ssd.models import attention, bf16_rows, cpu_backend, few_attention
     from rollout_ssd.models.loader import load_pretrained
     from rollout_ssd.runner import ModelRunner
     from rollout_ssd.ssd import rule_cache
@@ -153,6 +154,14 @@ def test_key_holds_the_cpu_linear_kernels(tmp_path, monkeypatch):
         ops.append(engine_key(runner, draft, SSDConfig()))
     assert [k["target"]["cpu_kernels"]["bf16_rows_op_cpp"] for k in ops] == [True, False]
     assert RuleCache("d", ops[0]).path != RuleCache("d", ops[1]).path
+    for name, module, attr in (("sdpa_few_queries", attention, "SDPA_FEW_QUERIES"),  # the few-query attention form
+                               ("few_attention", few_attention, "available")):
+        forms = []
+        for on in (True, False):
+            monkeypatch.setattr(module, attr, on if attr.isupper() else (lambda on=on: on))
+            forms.append(engine_key(runner, draft, SSDConfig()))
+        assert [k["target"]["cpu_kernels"][name] for k in forms] == [True, False], name
+        assert forms[0]["draft"] == forms[1]["draft"] and RuleCache("d", forms[0]).path != RuleCache("d", forms[1]).path
 
 
 def test_key_holds_whether_compiled_steps_autotune(tmp_path, monkeypatch):

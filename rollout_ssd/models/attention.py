@@ -8,8 +8,10 @@ each layer's queries over that layer's whole KV cache (`__call__`):
   sdpa    PyTorch SDPA over the rows' caches cut to the read length (a view when the slots are one
           run, else a gather), with a dense [B, 1, T, L] visibility mask (none when every query sees
           every key: the equal-length decode). On every device; on CUDA, SDPA picks its fused kernel; on a
-          CPU, a few queries per row over a 16-bit cache take an explicit softmax(q k^T) v instead
-          (`explicit_attention`: the CPU flash kernel with a mask is several times slower there).
+          CPU, a few queries per row over a bf16 cache take this package's C kernel (few_attention.py:
+          float32 softmax, each (row, KV head)'s keys read once); where it does not run (and for fp16), an
+          explicit softmax(q k^T) v (`explicit_attention`), the CPU flash kernel with a mask being several
+          times slower, except on CPU kinds where the flash kernel is the faster (`SDPA_FEW_QUERIES`: AMX).
   triton  the span-based Triton kernel (rollout_ssd/kernels/tree_attention.py): each query reads only
           its own keys, given as half-open spans of its slot ([Nq, S, 2] on the device), so no mask is
           built, no slot is gathered and the masked tail is never loaded. Decode's query sees
@@ -37,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout_ssd.config import ATTENTION
-from rollout_ssd.models import cpu_backend
+from rollout_ssd.models import cpu_backend, few_attention
 
 
 @dataclass(frozen=True)
@@ -121,8 +123,10 @@ def _visible_mask(layout: KeyLayout) -> Optional[torch.Tensor]:
 # Attention of a few queries per row over a 16-bit CPU cache (decode, verify, SSD's tree steps): PyTorch's
 # CPU flash kernel with a visibility mask costs several times the explicit softmax(q k^T) v on float32
 # copies at batch 4 and more on CPUs without AMX (bench/RESULTS.md, "Attention of a few queries on a bf16
-# CPU cache"), which is also closer to a float64 reference; on AMX the flash kernel is the faster
-# (cpu_backend.SDPA_FEW_QUERIES_KINDS). float32 caches and longer (prefill) rows keep SDPA.
+# CPU cache"), which is also closer to a float64 reference; few_attention.py's kernel, as close, costs less
+# than either and about what the flash kernel costs on AMX ("A few-query attention kernel"), where the flash
+# kernel is the faster of the other two (cpu_backend.SDPA_FEW_QUERIES_KINDS, "SDPA on AMX"). float32 caches
+# and longer (prefill) rows keep SDPA.
 EXPLICIT_ATTENTION_MAX_QUERIES = 16
 SDPA_FEW_QUERIES = cpu_backend.cpu_kind() in cpu_backend.SDPA_FEW_QUERIES_KINDS  # read once: compiled steps trace it
 
@@ -136,17 +140,21 @@ def cache_dtype(model) -> torch.dtype:
     0.97 ms: bench/RESULTS.md, "bf16 without bf16 units"); SDPA (a prefill) reads it cast back to bf16.
     Every output is bitwise what a bf16 cache gives. Twice the KV bytes of a bf16 cache."""
     if model.dtype == torch.bfloat16 and model.embed.is_cpu and isinstance(model.backend, SDPABackend) \
-            and cpu_backend.widened_bf16():
+            and cpu_backend.widened_bf16() and not SDPA_FEW_QUERIES:  # (SDPA would cast it back every step)
         return torch.float32
     return model.dtype
 
 
+def few_queries(q: torch.Tensor) -> bool:
+    """Whether this is a few-query attention call over a 16-bit model's CPU cache: q [B, Hq, T, D] 16-bit on a
+    CPU, T small (over a 16-bit cache, or the float32 cache `cache_dtype` gives such a model)."""
+    return q.is_cpu and q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] <= EXPLICIT_ATTENTION_MAX_QUERIES
+
+
 def explicit_attention_applies(q: torch.Tensor) -> bool:
-    """Whether `explicit_attention` serves this attention call: q [B, Hq, T, D] 16-bit on a CPU, T small
-    (over a 16-bit cache, or the float32 cache `cache_dtype` gives such a model), on a CPU kind where
-    it beats SDPA (not `SDPA_FEW_QUERIES`)."""
-    return q.is_cpu and q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] <= EXPLICIT_ATTENTION_MAX_QUERIES \
-        and not SDPA_FEW_QUERIES
+    """Whether `explicit_attention` serves a few-query call the few_attention kernel does not take: on a CPU
+    kind where it beats SDPA (not `SDPA_FEW_QUERIES`)."""
+    return few_queries(q) and not SDPA_FEW_QUERIES
 
 
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
@@ -175,7 +183,9 @@ class SDPABackend(AttentionBackend):
 
     def __call__(self, q, k_cache, v_cache, prepared: MaskedRead, scale):
         k, v = prepared.read(k_cache), prepared.read(v_cache)
-        if explicit_attention_applies(q):  # a few queries of a 16-bit model on a CPU: the explicit form
+        if few_queries(q) and few_attention.serves(q, k):  # a few queries of a bf16 model on a CPU: the kernel
+            return few_attention.attend(q, k, v, prepared.mask, scale)
+        if explicit_attention_applies(q):  # where it does not run, and flash attention is not the faster
             return explicit_attention(q, k, v, prepared.mask, scale)
         if q.dtype != k.dtype:  # a float32 cache of a bf16 model (`cache_dtype`): its bf16 values back, exactly
             k, v = k.to(q.dtype), v.to(q.dtype)

@@ -158,8 +158,8 @@ def _row_major(w: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Ten
     return w.contiguous() if out is None else out.copy_(w)
 
 
-# CPU kinds where a few queries per row over a 16-bit cache take PyTorch's SDPA, not attention.py's explicit form
-SDPA_FEW_QUERIES_KINDS = ("amx",)  # (its flash kernel: 0.75-0.97x the explicit form's step time; RESULTS, "SDPA on AMX")
+# CPU kinds where a few queries per row over a 16-bit cache take PyTorch's SDPA, not attention.py's explicit form,
+SDPA_FEW_QUERIES_KINDS = ("amx",)  # where few_attention's kernel does not run (0.77-0.98x; RESULTS, "SDPA on AMX")
 
 
 def gemm_rows(m: int) -> int:

@@ -42,7 +42,7 @@ import torch
 import rollout_ssd
 from rollout_ssd.gpu.graphs import compile_mode
 from rollout_ssd.gpu.inductor import autotune
-from rollout_ssd.models import attention, bf16_rows
+from rollout_ssd.models import attention, bf16_rows, few_attention
 from rollout_ssd.models.cpu_backend import cpu_kind, cpu_model, f32_rows_kernel_rows, packed_bf16
 from rollout_ssd.models.decoder import Decoder
 from rollout_ssd.runner import ModelRunner
@@ -97,7 +97,8 @@ def _model_key(model: Decoder) -> dict:
 def _cpu_kernels(model: Decoder) -> Optional[dict]:
     """Which kernels a CPU model's linears run on: a bf16 model's (cpu_backend.packed_linear: the bf16
     rows kernel and whether compiled steps call it in C++, oneDNN's packed linear, and which form its
-    few-query attention takes: attention.SDPA_FEW_QUERIES), a float32 model's
+    few-query attention takes: attention.SDPA_FEW_QUERIES, the few_attention kernel; a float16 model's
+    the former), a float32 model's
     (the float32 rows kernel's most rows where it runs, 0 where not: cpu_backend.f32_rows_kernel_rows);
     None for the models they never serve (an int4 draft, a GPU's): such a key neither asks for a kernel
     (its build) nor changes when one is turned off."""
@@ -105,10 +106,11 @@ def _cpu_kernels(model: Decoder) -> Optional[dict]:
         return None
     if model.dtype == torch.float32:
         return {"f32_rows": f32_rows_kernel_rows()}
+    form = {"sdpa_few_queries": attention.SDPA_FEW_QUERIES}  # a 16-bit cache's few-query attention
     if model.dtype != torch.bfloat16:
-        return None
+        return form if model.dtype == torch.float16 else None
     return {"bf16_rows": bf16_rows.available(), "bf16_rows_op_cpp": bf16_rows.op_in_cpp(), "packed_bf16": packed_bf16(),
-            "sdpa_few_queries": attention.SDPA_FEW_QUERIES}
+            "few_attention": few_attention.available(), **form}
 
 
 class RuleCache:
