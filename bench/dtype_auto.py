@@ -79,7 +79,10 @@ def main(argv=None) -> dict:
     runners = {name: ModelRunner(m, num_slots=max(batches), max_len=max_len) for name, m in models.items()}
     cfg = models["bfloat16"].cfg
     picked = str(cache_dtype(models["bfloat16"])).removeprefix("torch.")
-    for cache in [c for c in args.bf16_caches.split(",") if c]:
+    caches = [c for c in args.bf16_caches.split(",") if c]
+    if set(caches) - {"bfloat16", "float32"}:
+        p.error(f"--bf16-caches takes bfloat16 and float32, got {args.bf16_caches!r}")
+    for cache in caches:
         runner = ModelRunner(models["bfloat16"], num_slots=max(batches), max_len=max_len)
         runner.cache = KVCache(cfg.num_layers, max(batches), max_len, cfg.num_kv_heads, cfg.head_dim,
                                dtype=getattr(torch, cache), device=runner.device)
