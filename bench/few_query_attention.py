@@ -1,9 +1,9 @@
 """The forms of few-query attention over a 16-bit CPU cache, side by side: which should this CPU kind take?
 
 A decode, verify or tree step attends a few queries per row over the rows' KV caches. On a CPU with a bf16
-cache the SDPA backend (rollout_ssd/models/attention.py) takes PyTorch's SDPA (its CPU flash kernel) where
-`attention.SDPA_FEW_QUERIES` holds (by CPU kind: `cpu_backend.SDPA_FEW_QUERIES_KINDS`), else this package's
-kernel (few_attention.py) where it builds, else the explicit softmax(q k^T) v on float32 copies. This bench
+cache the SDPA backend (rollout_ssd/models/attention.py) takes this package's kernel (few_attention.py) where
+it builds, else PyTorch's SDPA (its CPU flash kernel) where `attention.SDPA_FEW_QUERIES` holds (by CPU kind:
+`cpu_backend.SDPA_FEW_QUERIES_KINDS`), else the explicit softmax(q k^T) v on float32 copies. This bench
 times the three in one process, taking turns repeat by repeat, on SmolLM2-135M-Instruct in bf16:
 runner-level steps of t new tokens per row after prompts of about --prompt-len tokens (lengths differ by
 row, so a step reads its keys through a mask, as a batch of rollouts does), at each batch and thread
@@ -118,7 +118,7 @@ def main(argv=None) -> dict:
         few_attention.set_enabled(kernel_on)
         torch.set_num_threads(threads_before)
     common.print_table(rows)
-    taken = "SDPA" if here else "the few_attention kernel" if kernel_on else "the explicit form"
+    taken = "the few_attention kernel" if kernel_on else "SDPA" if here else "the explicit form"
     print(f"CPU kind {cpu_backend.cpu_kind()}: few queries over a 16-bit cache take {taken} here")
     result = {"bench": "few_query_attention", "cpu_kind": cpu_backend.cpu_kind(), "sdpa_here": here, "taken": taken,
               "prompt_len": args.prompt_len, "repeats": args.repeats, "rows": rows, "machine": common.machine_note()}

@@ -20,7 +20,7 @@ def case(b: int, hq: int, hkv: int, t: int, length: int, d: int, seed: int, mask
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, hq, t, d, generator=g).bfloat16()
     kc = torch.randn(b + 1, hkv, length + 7, d, generator=g).bfloat16()
-    vc = torch.randn(b + 1, hkv, length + 7, d, generator=g).bfloat16()
+    vc = torch.randn(b + 1, hkv, length + 3, d, generator=g).bfloat16()  # other strides than k's
     mask = None
     if masked:
         mask = torch.rand(b, 1, t, length, generator=g) > 0.3
@@ -50,16 +50,18 @@ def kernels():
 @pytest.mark.parametrize("build,kernel", kernels(), ids=lambda x: x if isinstance(x, str) else "")
 @pytest.mark.parametrize("b,hq,hkv,t,length,d", [
     (1, 9, 3, 1, 37, 64), (4, 9, 3, 1, 200, 64), (3, 9, 3, 5, 64, 64), (2, 9, 3, 16, 50, 64),  # SmolLM2's heads
-    (2, 8, 2, 4, 5, 128), (2, 4, 4, 3, 33, 48), (2, 6, 2, 2, 17, 40), (1, 4, 1, 2, 19, 256)])  # others; tails
+    (2, 8, 2, 4, 5, 128), (2, 4, 4, 3, 33, 48), (2, 6, 2, 2, 17, 40), (1, 4, 1, 2, 19, 256), (2, 3, 1, 1, 1, 64)])
 def test_within_the_attention_bound_of_float64(build, kernel, b, hq, hkv, t, length, d):
     """Every element within tests/support/attention_bound.py's bound (derived from the case, the same on
-    every CPU), masked and unmasked; head dims 16..128 in steps of 16 take the AVX-512 blocks, 40 and 256
-    the plain loops, as does the AVX2 build."""
+    every CPU; its scale is head_dim ** -0.5, which the calls pass), masked and unmasked, over the bf16
+    cache and a float32 one holding its values; head dims 16..128 in steps of 16 take the AVX-512 blocks,
+    40 and 256 the plain loops, as does the AVX2 build; key counts off a multiple of 16, and one."""
     for masked in (True, False):
         q, k, v, mask = case(b, hq, hkv, t, length, d, seed=b + 10 * t + 100 * length + d, masked=masked)
         out = few_attention.attend(q, k, v, mask, d ** -0.5, kernel=kernel)
         assert out.dtype == torch.bfloat16 and out.shape == q.shape
         assert within_bound(out, q, k, v, mask), (build, masked)
+        assert torch.equal(few_attention.attend(q, k.float(), v.float(), mask, d ** -0.5, kernel=kernel), out)
 
 
 def test_a_rows_result_does_not_depend_on_the_batch_or_the_threads():
@@ -82,21 +84,30 @@ def test_a_rows_result_does_not_depend_on_the_batch_or_the_threads():
     assert torch.equal(few_attention.attend(q, k, v, everything, 0.125), few_attention.attend(q, k, v, None, 0.125))
 
 
+def test_a_nan_score_gives_nan_as_the_other_forms_do():
+    """A query whose scores are all NaN (a blown-up activation) gives NaN, not the zeros of a query that
+    sees no key; one NaN key among finite ones makes every query that sees it NaN."""
+    for d in (64, 40):  # the AVX-512 blocks and the plain loops
+        q, k, v, _ = case(1, 3, 1, 2, 20, d, seed=9)
+        q[0, 0, 0] = float("nan")  # query head 0, query 0: every score NaN
+        out = few_attention.attend(q, k, v, None, d ** -0.5)
+        assert out[0, 0, 0].isnan().all() and not out[0, 1:].isnan().any() and not out[0, 0, 1].isnan().any()
+        q, k, v, _ = case(1, 3, 1, 2, 20, d, seed=9)
+        k[0, 0, 3, 0] = float("nan")  # key 3: a NaN score for every query
+        assert few_attention.attend(q, k, v, None, d ** -0.5).isnan().all()
+
+
 def test_bad_calls_are_refused_and_serves_says_which():
     q, k, v, mask = case(2, 9, 3, 2, 20, 64, seed=5)
-    with pytest.raises(ValueError, match="does not fit"):
-        few_attention.attend(q, k[:, :2], v, mask, 0.125)  # v's shape differs
-    with pytest.raises(ValueError, match="does not fit"):
-        few_attention.attend(q.half(), k, v, mask, 0.125)
-    with pytest.raises(ValueError, match="does not fit"):
-        few_attention.attend(q[:, :8], k, v, mask, 0.125)  # 8 query heads over 3 KV heads: not a group
-    with pytest.raises(ValueError, match="mask"):
-        few_attention.attend(q, k, v, mask[:, :, :1], 0.125)
-    assert few_attention.serves(q, k) and few_attention.serves(q, k.float())
-    assert not few_attention.serves(q.half(), k.half()) and not few_attention.serves(q.float(), k.float())
-    assert not few_attention.serves(torch.zeros(1, 1, 1, 512, dtype=torch.bfloat16), k)
+    wide = torch.zeros(1, 1, 1, 512, dtype=torch.bfloat16)
+    for bad in ((q, k[:, :2], v, mask), (q.half(), k, v, mask), (q[:, :8], k, v, mask),  # 8 query heads over 3
+                (q, k, v, mask[:, :, :1]), (q, k, v, mask.float()), (wide, k, v, None)):
+        with pytest.raises(ValueError, match="needs"):
+            few_attention.attend(*bad, 0.125)
+        assert not few_attention.serves(*bad)
+    assert few_attention.serves(q, k, v, mask) and few_attention.serves(q, k.float(), v.float(), None)
     few_attention.set_enabled(False)
     try:
-        assert not few_attention.available() and not few_attention.serves(q, k)
+        assert not few_attention.available() and not few_attention.serves(q, k, v, mask)
     finally:
         few_attention.set_enabled(True)

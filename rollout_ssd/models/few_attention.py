@@ -33,7 +33,7 @@ from rollout_ssd.models import f32_rows, kernel_build
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "few_attention.c"
-ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx512bw", "-mfma"), "avx2": ("-mavx2", "-mfma")}
+ISA_FLAGS = {"avx512": ("-mavx512f", "-mfma"), "avx2": ("-mavx2", "-mfma")}  # (its intrinsics: AVX-512F only)
 COMMON_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 MAX_HEAD_DIM = 256
 
@@ -79,35 +79,46 @@ def available() -> bool:
     return _ON and _kernel() is not None
 
 
-def serves(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether `attend` takes this call: bf16 q over a bf16 or float32 CPU cache, head dim up to 256,
-    outside a compile (inductor fuses the explicit form there), the kernel here and on."""
-    return q.dtype == torch.bfloat16 and k.dtype in (torch.bfloat16, torch.float32) and q.is_cpu and k.is_cpu \
-        and q.shape[-1] <= MAX_HEAD_DIM and not torch.compiler.is_compiling() and available()
+def _misfit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> Optional[str]:
+    """What the C kernel cannot take in this call (None: it can)."""
+    if q.dim() != 4 or k.dim() != 4 or q.dtype != torch.bfloat16 or k.dtype not in (torch.bfloat16, torch.float32):
+        return "bf16 q [B, Hq, T, D] over a bf16 or float32 k, v [B, Hkv, L, D]"
+    b, hq, t, d = q.shape
+    if not (q.is_cpu and k.is_cpu and v.is_cpu and (mask is None or mask.is_cpu)):
+        return "CPU tensors"
+    if not 0 < d <= MAX_HEAD_DIM or k.shape[1] < 1 or hq % k.shape[1] or v.shape != k.shape or v.dtype != k.dtype \
+            or k.shape[0] != b or k.shape[3] != d or k.stride(3) != 1 or v.stride(3) != 1:
+        return f"k and v alike, D contiguous, Hq a multiple of Hkv, head dim 1..{MAX_HEAD_DIM}"
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (b, 1, t, k.shape[2])):
+        return f"a bool mask [B, 1, T, L] = ({b}, 1, {t}, {k.shape[2]})"
+    return None
+
+
+def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> bool:
+    """Whether `attend` takes this call: a shape and dtypes it fits (bf16 q over a bf16 or float32 CPU cache,
+    head dim up to 256), outside a compile (inductor fuses the explicit form there), the kernel here and on."""
+    return not torch.compiler.is_compiling() and available() and _misfit(q, k, v, mask) is None
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
            kernel=None) -> torch.Tensor:
     """softmax(q k^T * scale, masked) v for q [B, Hq, T, D] bf16, k, v [B, Hkv, L, D] (bf16 or float32, any
     strides with D contiguous; query head h reads KV head h // (Hq / Hkv)), mask [B, 1, T, L] bool (True =
-    visible) or None; bf16 [B, Hq, T, D]. Needs `serves(q, k)` (kernel: a function from `load` to run
-    instead of this CPU's, as tests do with the AVX2 build)."""
+    visible) or None; bf16 [B, Hq, T, D]. Needs `available()` (kernel: a function from `load` to run
+    instead of this CPU's, as tests do with the AVX2 build); a ValueError names what does not fit."""
+    problem = _misfit(q, k, v, mask)
+    if problem is not None:
+        raise ValueError(f"few_attention.attend: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, v "
+                         f"{tuple(v.shape)} {v.dtype} (strides {k.stride()}, {v.stride()}), mask "
+                         f"{None if mask is None else (tuple(mask.shape), mask.dtype)}: needs {problem}")
+    fn = kernel or _kernel()
+    if fn is None:
+        raise RuntimeError("few_attention.attend: the kernel does not run here (few_attention.available())")
     b, hq, t, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
-    if q.dtype != torch.bfloat16 or k.dtype not in (torch.bfloat16, torch.float32) or d > MAX_HEAD_DIM \
-            or not (q.is_cpu and k.is_cpu and v.is_cpu) or hq % hkv or v.shape != k.shape or v.dtype != k.dtype \
-            or k.shape[0] != b or k.shape[3] != d or k.stride(3) != 1 or v.stride(3) != 1:
-        raise ValueError(f"few_attention.attend: q {tuple(q.shape)} {q.dtype} does not fit k {tuple(k.shape)} "
-                         f"{k.dtype} / v {tuple(v.shape)} {v.dtype} (strides {k.stride()}, {v.stride()}; CPU "
-                         f"tensors, bf16 q, head dim <= {MAX_HEAD_DIM})")
     q = q.contiguous()
-    if mask is not None:
-        if mask.dtype != torch.bool or tuple(mask.shape) != (b, 1, t, length):
-            raise ValueError(f"few_attention.attend: mask {tuple(mask.shape)} {mask.dtype}, expected ({b}, 1, {t}, "
-                             f"{length}) bool")
-        mask = mask[:, 0].contiguous()
+    mask = None if mask is None else mask[:, 0].contiguous()
     out = torch.empty(b, hq, t, d, dtype=torch.bfloat16)
-    fn = kernel or _kernel()
     if fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), int(k.dtype == torch.float32), *k.stride()[:3], *v.stride()[:3],
           None if mask is None else mask.data_ptr(), out.data_ptr(), b, hq, hkv, t, length, d, scale,
           torch.get_num_threads()):

@@ -2,7 +2,7 @@
 
    out[b, h, t] = softmax(scale * q[b, h, t] . k[b, h / g, l], over the keys l that mask[b, t] shows) @ v[b, h / g]
    with g = Hq / Hkv query heads per KV head (GQA). One task per (row, KV head): its keys and values are
-   read once for all g * T queries that use them, converted to float32 a key at a time; scores, softmax and
+   read once for all g * T queries that use them, converted to float32 (16 at a time on AVX-512); scores, softmax and
    P @ V are float32 (the probabilities are not rounded to 16 bits, unlike PyTorch's CPU flash kernel);
    each output is rounded once to bf16, to nearest even, as torch's cast rounds.
 
@@ -149,6 +149,7 @@ static int task(const uint16_t *q, const void *k, const void *v, int f32, long k
                 long vsb, long vsh, long vsl, const uint8_t *mask, uint16_t *out, int b, int h, int hq, int hkv,
                 int t, int l, int d, float scale) {
     int g = hq / hkv, rows = g * t;
+    if (rows <= 0 || d <= 0) return 0;
     /* scratch: the queries [rows, d], 16 keys or values [16, d], scores [rows, l], accumulators [rows, d] */
     float *qf = (float *)malloc(sizeof(float) * ((size_t)rows * d + 16 * (size_t)d + (size_t)rows * l + (size_t)rows * d));
     if (!qf) return -1;
@@ -157,7 +158,7 @@ static int task(const uint16_t *q, const void *k, const void *v, int f32, long k
         for (int ti = 0; ti < t; ti++)
             load_row(qf + (size_t)(gi * t + ti) * d, q + (((size_t)b * hq + h * g + gi) * t + ti) * d, 0, d);
 #if defined(__AVX512F__)
-    int fast = d % 16 == 0 && d <= 128;
+    int fast = d % 16 == 0 && d >= 16 && d <= 128;
     if (fast)
         scores_avx512(qf, k, f32, b * ksb + h * ksh, ksl, mask ? mask + (size_t)b * t * l : NULL, t, rows, l, d,
                       scale, s, kf);
@@ -184,9 +185,11 @@ static int task(const uint16_t *q, const void *k, const void *v, int f32, long k
         float *sr = s + (size_t)r * l, m = -INFINITY, sum = 0.0f;
 #pragma omp simd reduction(max : m)
         for (int j = 0; j < l; j++) m = sr[j] > m ? sr[j] : m;
-        if (m == -INFINITY) {  /* a query that sees no key: zeros (callers always show one) */
-            memset(sr, 0, sizeof(float) * l);
-            inv[r] = 0.0f;
+        if (m == -INFINITY) {  /* every score hidden (zeros: callers always show a key) or NaN (NaN, as SDPA) */
+            int nan = 0;
+            for (int j = 0; j < l; j++) nan |= sr[j] != sr[j];
+            for (int j = 0; j < l; j++) sr[j] = nan ? NAN : 0.0f;
+            inv[r] = nan ? NAN : 0.0f;
             continue;
         }
 #pragma omp simd reduction(+ : sum)
