@@ -140,7 +140,7 @@ def cache_dtype(model) -> torch.dtype:
     0.97 ms: bench/RESULTS.md, "bf16 without bf16 units"); SDPA (a prefill) reads it cast back to bf16.
     Every output is bitwise what a bf16 cache gives. Twice the KV bytes of a bf16 cache."""
     if model.dtype == torch.bfloat16 and model.embed.is_cpu and isinstance(model.backend, SDPABackend) \
-            and cpu_backend.widened_bf16() and not SDPA_FEW_QUERIES:  # (SDPA, where it took them, would cast it back)
+            and cpu_backend.widened_bf16():
         return torch.float32
     return model.dtype
 
@@ -183,8 +183,10 @@ class SDPABackend(AttentionBackend):
 
     def __call__(self, q, k_cache, v_cache, prepared: MaskedRead, scale):
         k, v = prepared.read(k_cache), prepared.read(v_cache)
-        if few_queries(q) and few_attention.serves(q, k, v, prepared.mask):  # a bf16 model's few queries: the kernel
-            return few_attention.attend(q, k, v, prepared.mask, scale)
+        if few_queries(q):  # a bf16 model's few queries: the kernel where it serves the call
+            out = few_attention.try_attend(q, k, v, prepared.mask, scale)
+            if out is not None:
+                return out
         if explicit_attention_applies(q):  # where it does not run, and flash attention is not the faster
             return explicit_attention(q, k, v, prepared.mask, scale)
         if q.dtype != k.dtype:  # a float32 cache of a bf16 model (`cache_dtype`): its bf16 values back, exactly

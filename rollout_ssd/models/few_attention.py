@@ -100,6 +100,12 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[tor
     return not torch.compiler.is_compiling() and available() and _misfit(q, k, v, mask) is None
 
 
+def try_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+               scale: float) -> Optional[torch.Tensor]:
+    """`attend`'s result where `serves` holds, else None (the caller's other form): the checks made once."""
+    return _run(_kernel(), q, k, v, mask, scale) if serves(q, k, v, mask) else None
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
            kernel=None) -> torch.Tensor:
     """softmax(q k^T * scale, masked) v for q [B, Hq, T, D] bf16, k, v [B, Hkv, L, D] (bf16 or float32, any
@@ -114,6 +120,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[tor
     fn = kernel or _kernel()
     if fn is None:
         raise RuntimeError("few_attention.attend: the kernel does not run here (few_attention.available())")
+    return _run(fn, q, k, v, mask, scale)
+
+
+def _run(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """The C call on operands `_misfit` passed."""
     b, hq, t, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
     q = q.contiguous()
