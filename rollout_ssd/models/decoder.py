@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout_ssd.kv_cache import KVCache
+from rollout_ssd.models import layer_kernel
 from rollout_ssd.models.attention import AttentionBackend, KeyLayout, SDPABackend
 from rollout_ssd.models.config import ModelConfig
 from rollout_ssd.models.cpu_backend import head_matmul, layer_weight, linear
@@ -229,6 +230,10 @@ class Decoder(nn.Module):
             return self.forward(sorted_batch, cache)[torch.argsort(rows)]
         slots, starts = batch.slots, batch.starts
         contiguous = slots == list(range(slots[0], slots[0] + b))
+        if layer_kernel.serves(self, batch, cache, contiguous):  # a few causal tokens of a bf16 CPU model
+            x = F.embedding(batch.tokens, self.embed)
+            x = layer_kernel.forward_layers(self, x, *self.rope_tables(batch.positions), batch, cache, max(ends))
+            return self._finish(x, slots, ends, cache)
         # one contiguous block of new entries: every row writes t tokens at the same position
         block_write = contiguous and len(set(starts)) == 1 and all(n == t for n in batch.num_new)
         # one token per row, every row ending at one length, nothing given: every query sees every key
@@ -264,6 +269,10 @@ class Decoder(nn.Module):
                 return self.backend(q, kc, vc, keys, self.scale)
 
             x = layer(x, cos, signed_sin, attend)
+        return self._finish(x, slots, ends, cache)
+
+    def _finish(self, x: torch.Tensor, slots: list[int], ends: list[int], cache: KVCache) -> torch.Tensor:
+        """The rows' new cache lengths recorded; the final norm of the last layer's output."""
         for slot, end in zip(slots, ends):
             cache.lengths[slot] = end
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)

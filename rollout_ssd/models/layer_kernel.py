@@ -1,0 +1,165 @@
+"""A bf16 decoder layer for a few tokens in one C call (csrc/decoder_layer.c), for CPU decode and verify steps.
+
+Why: at batch 1 a decode step's linears take about two thirds of its time on the bf16 rows kernel and
+the rest is the twenty-odd small ops of each layer (norms, RoPE, cache writes, SwiGLU, residual adds),
+each a PyTorch dispatch of microseconds for a few thousand floats of work (bench/RESULTS.md, "Where an
+eager step's time goes"). One C call per layer runs the same arithmetic, in the eager decoder's rounding
+order, with the linears on the rows kernel and the attention on the few-query kernel: the step then costs
+about what reading its weights costs. A verify of a few tokens takes it too (the rows kernel at K + 1
+rows costs less than oneDNN's linear plus the small ops' dispatch), up to `max_rows()` tokens a step.
+
+It serves a `Decoder.forward` of a bf16 CPU model with frozen weights where the tokens see their row's
+cache causally (decode, verify, prefill of a few tokens; not a tree step's mask or spans), the rows hold
+consecutive slots, and the rows kernel runs on this CPU (AVX-512: `bf16_rows.variant()`), outside
+compiled steps. Otherwise the decoder's layers run as modules, as before. Built on first use with the C
+compiler found, from the rows kernel's and the attention kernel's sources included into this one
+(kernel_build.py); $ROLLOUT_SSD_LAYER_KERNEL=0 or `set_enabled(False)` turns it off.
+
+Its results are the eager layers' except where two float32 computations of one value (a sum of squares
+in another order, expf against PyTorch's vectorised exp) cross a bf16 rounding boundary differently;
+tests/test_layer_kernel.py bounds that against a float32 model and checks a row's results do not depend
+on its batch or the thread count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import subprocess
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from rollout_ssd.models import bf16_rows, cpu_backend, few_attention, kernel_build
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "decoder_layer.c"
+INCLUDED = (bf16_rows.SOURCE, few_attention.SOURCE)  # part of the library's key: it includes them
+MAX_HEAD_DIM = few_attention.MAX_HEAD_DIM
+
+# The most tokens a step runs through the layer kernel, per CPU kind (else `cpu_backend.rows_kernel_rows()`, the
+# rows kernel's own limit): on AMX oneDNN's linears win from 3 rows on alone, but the layer kernel at up to N rows
+# still beats them with the small ops' dispatch added (bench/layer_kernel.py; bench/RESULTS.md, "One C call a layer").
+MAX_ROWS = {"amx": 8}
+_MAX_ROWS = MAX_ROWS.get(cpu_backend.cpu_kind(), cpu_backend.rows_kernel_rows())
+
+
+def max_rows() -> int:
+    """The most tokens (rows x tokens per row) a step runs through the layer kernel on this CPU."""
+    return _MAX_ROWS
+
+
+def build(kind: str, compiler: Optional[str] = None) -> Path:
+    """Compile csrc/decoder_layer.c for the rows kernel's `kind` ("dot" | "widened") into the kernel cache."""
+    return kernel_build.build_library(f"decoder_layer_{kind}", SOURCE, (*bf16_rows.flags(kind), "-fno-math-errno"),
+                                      key_text=b"".join(p.read_bytes() for p in INCLUDED),
+                                      compiler=compiler or kernel_build.default_compiler())
+
+
+def load(kind: str):
+    """The `kind` build's C function, argument types set."""
+    fn = ctypes.CDLL(str(build(kind))).decoder_layer
+    p, n = ctypes.c_void_p, ctypes.c_long
+    fn.argtypes = [p, *[n] * 7, *[p] * 4, *[p] * 5, p, p, p, p, ctypes.c_int, p, p, p, p, n,
+                   ctypes.c_float, ctypes.c_float, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@functools.cache
+def _kernel():
+    """The loaded C function, or None where it cannot run here (logged once)."""
+    kind = bf16_rows.variant()
+    if kind is None:
+        return None
+    try:
+        return load(kind)
+    except (OSError, AttributeError, subprocess.CalledProcessError) as exc:
+        log.warning("decoder layer kernel not built or not loaded (%s)", getattr(exc, "stderr", "") or exc)
+        return None
+
+
+_ON = os.environ.get("ROLLOUT_SSD_LAYER_KERNEL", "1") != "0"
+
+
+def set_enabled(on: bool) -> None:
+    """Turn the kernel's use on or off in this process (benchmarks and tests compare the forms this way)."""
+    global _ON
+    _ON = bool(on)
+
+
+def available() -> bool:
+    return _ON and bf16_rows.available() and _kernel() is not None
+
+
+def _model_fits(model) -> bool:
+    """Whether the model's layers are ones the kernel computes: bf16 on the CPU, frozen, plain linears (not an
+    int4 draft's), SDPA's cache layout, shapes the two kernels take."""
+    from rollout_ssd.models.attention import SDPABackend
+
+    cfg, layer = model.cfg, model.layers[0] if len(model.layers) else None
+    return (layer is not None and model.dtype == torch.bfloat16 and model.embed.is_cpu
+            and isinstance(model.backend, SDPABackend) and layer.row_major.int4_group is None
+            and not layer.wqkv.requires_grad and 0 < cfg.head_dim <= MAX_HEAD_DIM and cfg.head_dim % 2 == 0
+            and cfg.hidden_size % 2 == 0 and cfg.intermediate_size % 2 == 0)
+
+
+def serves(model, batch, cache, contiguous: bool) -> bool:
+    """Whether `forward_layers` takes this forward (see the module's docstring)."""
+    b, t = batch.tokens.shape
+    if torch.compiler.is_compiling() or not contiguous or batch.mask is not None or batch.spans is not None \
+            or b * t > _MAX_ROWS or not available() or not _model_fits(model):
+        return False
+    kc = cache.keys[0]
+    return kc.is_cpu and kc.dtype in (torch.bfloat16, torch.float32) and kc.dim() == 4 and kc.stride(3) == 1 \
+        and all(k.stride() == kc.stride() and v.stride() == kc.stride() and k.dtype == kc.dtype
+                for k, v in zip(cache.keys, cache.values))
+
+
+def causal_mask(starts: list[int], num_new: list[int], t: int, length: int) -> Optional[torch.Tensor]:
+    """uint8 [B, T, length]: token j of row i sees cache positions below starts[i] + min(j, num_new[i] - 1) + 1
+    (a padded token sees its row's real ones); None where every token sees every position (one token a row,
+    every row ending at `length`)."""
+    if t == 1 and all(s + n == length for s, n in zip(starts, num_new)):
+        return None
+    last = torch.minimum(torch.arange(t)[None, :], torch.tensor(num_new)[:, None] - 1)
+    return (torch.arange(length)[None, None, :] <= (torch.tensor(starts)[:, None] + last)[:, :, None]).to(torch.uint8)
+
+
+def forward_layers(model, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, batch, cache,
+                   length: int) -> torch.Tensor:
+    """The model's layers over x [B, T, H] (bf16, updated in place and returned) for a forward `serves`
+    took: cos, signed_sin [B, T, 1, D] (Decoder.rope_tables), the rows' slots consecutive from
+    batch.slots[0], `length` the longest row's cache length after the step. Writes the new keys and values."""
+    cfg = model.cfg
+    b, t, hidden = x.shape
+    x = x.contiguous()
+    cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
+    mask = causal_mask(batch.starts, batch.num_new, t, length)
+    starts = (ctypes.c_long * b)(*batch.starts)
+    num_new = (ctypes.c_long * b)(*batch.num_new)
+    strides = (ctypes.c_long * 3)(*cache.keys[0].stride()[:3])
+    kv_f32 = int(cache.keys[0].dtype == torch.float32)
+    first = batch.slots[0]
+    fn, threads = _kernel(), torch.get_num_threads()
+    for i, layer in enumerate(model.layers):
+        copies = layer.row_major
+        packed = [copies.get(name + ":rows", getattr(layer, name), bf16_rows.pack)
+                  for name in ("wqkv", "wo", "w_gate_up", "w_down")]
+        bias = None if layer.bqkv is None else copies.get("bqkv:float32", layer.bqkv,
+                                                          lambda w: w.detach().float().contiguous())
+        kc, vc = cache.keys[i][first], cache.values[i][first]
+        if fn(x.data_ptr(), b, t, hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+              layer.input_norm.data_ptr(), layer.post_attn_norm.data_ptr(),
+              None if layer.q_norm is None else layer.q_norm.data_ptr(),
+              None if layer.k_norm is None else layer.k_norm.data_ptr(),
+              packed[0].data_ptr(), None if bias is None else bias.data_ptr(), packed[1].data_ptr(),
+              packed[2].data_ptr(), packed[3].data_ptr(), cos.data_ptr(), signed_sin.data_ptr(),
+              kc.data_ptr(), vc.data_ptr(), kv_f32, strides, starts, num_new,
+              None if mask is None else mask.data_ptr(), length, cfg.rms_norm_eps, model.scale, threads):
+            raise MemoryError(f"layer_kernel: no memory for layer {i}'s scratch ({b} x {t} tokens)")
+    return x

@@ -1,0 +1,180 @@
+"""The decoder layer kernel (rollout_ssd/models/layer_kernel.py, csrc/decoder_layer.c): as accurate as the
+module layers against a float32 model on every model family, a row's results independent of its batch and
+of the thread count (bitwise), the cache written where the module layers write it and nowhere else, and
+taken only for the forwards it computes (every other one runs the module layers, with the same results)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout_ssd.models import bf16_rows, cpu_backend, layer_kernel
+from rollout_ssd.models.loader import build_decoder, load_pretrained
+from rollout_ssd.runner import ModelRunner
+from tests.support.models import FAMILIES, build_tiny
+
+pytestmark = pytest.mark.skipif(not layer_kernel.available(), reason="the layer kernel does not run here (no AVX-512)")
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def pair(request, tmp_path_factory):
+    """(bf16 model, float32 model with the bf16 model's weights) of a 3-layer tiny `family`."""
+    directory = tmp_path_factory.mktemp(request.param)
+    build_tiny(directory, family=request.param, seed=7, num_hidden_layers=3, max_position_embeddings=256)
+    bf16 = load_pretrained(str(directory), dtype="bfloat16", with_tokenizer=False)
+    f32 = build_decoder(bf16.hf_config, {k: v.float() for k, v in bf16.model.hf_parameters().items()}, torch.float32)
+    return bf16.model, f32
+
+
+# prompts short enough for the kernel too (each row prefilled alone), so no step depends on another form
+PROMPTS = [[3 + (7 * i) % 90 for i in range(8)], [5 + (11 * i) % 90 for i in range(6)]]
+# (tokens per row) of the steps after the prompts: decode, a ragged verify, one row alone, a last decode
+STEPS = [([40], [41]), ([42, 43, 44], [45, 46]), ([47, 48, 49, 50],), ([51], [52])]
+
+
+def run(model, kernel: bool, monkeypatch, threads: int = 2, rows=(0, 1), steps=STEPS):
+    """The logits of each step's real tokens (a list per step) and the runner, the kernel on or off."""
+    monkeypatch.setattr(layer_kernel, "_ON", kernel)
+    torch.set_num_threads(threads)
+    runner = ModelRunner(model, num_slots=3, max_len=128)
+    slots = [runner.allocate() for _ in range(3)]
+    out = []
+    with torch.inference_mode():
+        for r in rows:
+            runner.prefill([slots[r]], [PROMPTS[r]])
+        for step in steps:
+            toks = [step[r] for r in rows if r < len(step)]
+            logits = runner.extend([slots[r] for r in rows if r < len(step)], toks)
+            out.append(torch.cat([logits[i, : len(t)] for i, t in enumerate(toks)]))
+    return out, runner
+
+
+def builds():
+    """This CPU's build, and the widened one (the avx512 kind's: bf16 widened to float32 in registers) where
+    this CPU's is the dot one."""
+    return ["native"] + (["widened"] if bf16_rows.variant() == "dot" else [])
+
+
+@pytest.mark.parametrize("build", builds())
+def test_as_accurate_as_the_module_layers_against_float32(pair, build, monkeypatch):
+    """Every family (GQA and MHA, q/k/v biases, per-head q/k norms, rope scalings): the kernel's logits
+    are within twice the module layers' bf16 error against the float32 model (flash-attention's rule, as
+    tests/test_model.py's bf16 test), in the largest error and the mean, at every step, and within a
+    quarter of that error of the module layers' logits; the kernel did serve the steps (the module layers
+    are counted)."""
+    bf16, f32 = pair
+    if build == "widened":
+        widened = layer_kernel.load("widened")
+        monkeypatch.setattr(layer_kernel, "_kernel", lambda: widened)
+    calls = []
+    for layer in bf16.layers:
+        monkeypatch.setattr(layer, "forward", lambda *a, _f=layer.forward: calls.append(1) or _f(*a))
+    ref, _ = run(f32, False, monkeypatch)
+    eager, _ = run(bf16, False, monkeypatch)
+    eager_calls = len(calls)
+    fused, _ = run(bf16, True, monkeypatch)
+    assert eager_calls > 0 and len(calls) == eager_calls, "the kernel ran every forward of the bf16 model"
+    for s, (r, e, k) in enumerate(zip(ref, eager, fused)):
+        e_err, k_err = (e - r).abs(), (k - r).abs()
+        assert e_err.max() > 0, "the bf16 model differs from float32 somewhere (else the bound says nothing)"
+        assert k_err.max() <= 2 * e_err.max(), (s, float(k_err.max()), float(e_err.max()))
+        assert k_err.mean() <= 2 * e_err.mean(), (s, float(k_err.mean()), float(e_err.mean()))
+        # the same rounding order: they may part only where two float32 values of one quantity round to
+        # different bf16 (measured here: bitwise equal), far inside bf16's own error
+        assert (k - e).abs().max() <= 0.25 * e_err.max(), (s, float((k - e).abs().max()), float(e_err.max()))
+
+
+def test_a_rows_results_do_not_depend_on_its_batch_or_the_thread_count(pair, monkeypatch):
+    """Row 0 alone, beside row 1, and at one thread: the same logits and the same cache, bit for bit."""
+    bf16, _ = pair
+    steps = [(s[0],) for s in STEPS]
+    alone, runner_a = run(bf16, True, monkeypatch, rows=(0,), steps=steps)
+    beside, runner_b = run(bf16, True, monkeypatch, rows=(0, 1), steps=[(s[0], [60]) for s in STEPS])
+    one_thread, runner_c = run(bf16, True, monkeypatch, threads=1, rows=(0,), steps=steps)
+    torch.set_num_threads(2)
+    n = len(PROMPTS[0]) + sum(len(s[0]) for s in STEPS)
+    for i in range(len(steps)):
+        assert torch.equal(alone[i], beside[i][: len(steps[i][0])]) and torch.equal(alone[i], one_thread[i]), i
+    for a, b, c in zip(runner_a.cache.keys + runner_a.cache.values, runner_b.cache.keys + runner_b.cache.values,
+                       runner_c.cache.keys + runner_c.cache.values):
+        assert torch.equal(a[0, :, :n], b[0, :, :n]) and torch.equal(a[0, :, :n], c[0, :, :n])
+
+
+def test_writes_the_cache_where_the_module_layers_do(pair, monkeypatch):
+    """A ragged verify: each row's real tokens land at its next positions (lengths advance by them), the
+    padded ones nowhere (the rest of every slot, the scratch slot included, keeps its bits)."""
+    bf16, _ = pair
+    monkeypatch.setattr(layer_kernel, "_ON", True)
+    runner = ModelRunner(bf16, num_slots=3, max_len=128)
+    slots = [runner.allocate() for _ in range(2)]
+    with torch.inference_mode():
+        for slot, prompt in zip(slots, PROMPTS):
+            runner.prefill([slot], [prompt])
+        before = [t.clone() for t in runner.cache.keys + runner.cache.values]
+        starts = [runner.cache.lengths[s] for s in slots]
+        runner.extend(slots, [[42, 43, 44], [45]])
+    assert [runner.cache.lengths[s] for s in slots] == [starts[0] + 3, starts[1] + 1]
+    for old, new in zip(before, runner.cache.keys + runner.cache.values):
+        changed = (old != new).any(dim=-1)  # [slots, heads, positions]
+        written = torch.zeros_like(changed)
+        written[slots[0], :, starts[0]:starts[0] + 3] = True
+        written[slots[1], :, starts[1]:starts[1] + 1] = True
+        assert not (changed & ~written).any()
+        assert changed[slots[0], :, starts[0]:starts[0] + 3].all() and changed[slots[1], :, starts[1]].all()
+
+
+def test_serves_only_the_forwards_it_computes(pair, monkeypatch):
+    """Not for: a mask or spans (tree steps), more tokens than `max_rows`, slots out of order of a batch
+    that is not a run of consecutive ones, a float32 model, the kernel turned off. Those run the module
+    layers, and their logits are the module layers' (the kernel turned off) bit for bit."""
+    bf16, f32 = pair
+    from rollout_ssd.models.decoder import ForwardBatch
+
+    class Cache:
+        keys = values = [torch.zeros(3, 2, 8, bf16.cfg.head_dim, dtype=torch.bfloat16)] * len(bf16.layers)
+
+    def batch(b, t, mask=None):
+        return ForwardBatch(torch.zeros(b, t, dtype=torch.long), torch.zeros(b, t, dtype=torch.long), [t] * b,
+                            list(range(b)), [0] * b, mask)
+
+    monkeypatch.setattr(layer_kernel, "_ON", True)
+    assert layer_kernel.serves(bf16, batch(2, 3), Cache, True)
+    assert not layer_kernel.serves(bf16, batch(2, 3), Cache, False)
+    assert not layer_kernel.serves(bf16, batch(1, 3, torch.ones(1, 3, 3, dtype=torch.bool)), Cache, True)
+    assert not layer_kernel.serves(bf16, batch(1, layer_kernel.max_rows() + 1), Cache, True)
+    assert not layer_kernel.serves(f32, batch(1, 1), Cache, True)
+    monkeypatch.setattr(layer_kernel, "_ON", False)
+    assert not layer_kernel.serves(bf16, batch(1, 1), Cache, True)
+
+    # a tree-shaped step (mask) and a step of slots 2, 0 (not consecutive): the module layers' logits
+    def masked_and_gapped(kernel):
+        monkeypatch.setattr(layer_kernel, "_ON", kernel)
+        runner = ModelRunner(bf16, num_slots=3, max_len=128)
+        slots = [runner.allocate() for _ in range(3)]
+        with torch.inference_mode():
+            runner.prefill([slots[0], slots[2]], PROMPTS)
+            n = len(PROMPTS[0])
+            mask = torch.ones(1, 2, n + 2, dtype=torch.bool)
+            mask[0, 1, n] = False  # the second token does not see the first: siblings in a tree
+            tree = runner.extend([slots[0]], [[30, 31]], mask=mask,
+                                 positions=torch.tensor([[n, n]]))
+            gapped = runner.extend([slots[2], slots[0]], [[32], [33]])
+        return tree, gapped
+
+    on, off = masked_and_gapped(True), masked_and_gapped(False)
+    assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
+
+
+def test_causal_mask():
+    """Token j of row i sees positions up to starts[i] + j (a padded token: its row's last real one); no
+    mask where one token a row ends every row at the read length."""
+    mask = layer_kernel.causal_mask([2, 4], [3, 1], 3, 5)
+    want = torch.tensor([[[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]],
+                         [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]], dtype=torch.uint8)
+    assert torch.equal(mask, want)
+    assert layer_kernel.causal_mask([4, 4], [1, 1], 1, 5) is None
+    assert layer_kernel.causal_mask([4, 3], [1, 1], 1, 5) is not None
+
+
+def test_max_rows_is_the_cpu_backends_unless_measured_for_the_kind():
+    assert layer_kernel.max_rows() == layer_kernel.MAX_ROWS.get(cpu_backend.cpu_kind(), cpu_backend.rows_kernel_rows())
