@@ -123,8 +123,9 @@ def test_key_holds_the_cpu_linear_kernels(tmp_path, monkeypatch):
     CPU model, so it changes the key (and the file): times measured with the kernel are not restored
     without it; so does its op's C++ kernel, which compiled steps call. A float32 model's linears never
     run it: its part of the key is the same either way; the float32 rows kernel is its part. The form a
-    16-bit model's few-query attention takes (SDPA or not, the few_attention kernel) is in its part too."""
-    from rollout_ssd.models import attention, bf16_rows, cpu_backend, few_attention
+    16-bit model's few-query attention takes (SDPA or not, the few_attention kernel) is in its part too, and
+    the most tokens the one-call layer kernel takes (0 where it does not run)."""
+    from rollout_ssd.models import attention, bf16_rows, cpu_backend, few_attention, layer_kernel
     from rollout_ssd.models.loader import load_pretrained
     from rollout_ssd.runner import ModelRunner
     from rollout_ssd.ssd import rule_cache
@@ -162,6 +163,12 @@ def test_key_holds_the_cpu_linear_kernels(tmp_path, monkeypatch):
             forms.append(engine_key(runner, draft, SSDConfig()))
         assert [k["target"]["cpu_kernels"][name] for k in forms] == [True, False], name
         assert forms[0]["draft"] == forms[1]["draft"] and RuleCache("d", forms[0]).path != RuleCache("d", forms[1]).path
+    layers = []
+    for on in (True, False):  # the one-call layer kernel: its row limit, 0 where off
+        monkeypatch.setattr(layer_kernel, "available", lambda on=on: on)
+        layers.append(engine_key(runner, draft, SSDConfig()))
+    assert [k["target"]["cpu_kernels"]["layer_kernel"] for k in layers] == [layer_kernel.max_rows(), 0]
+    assert RuleCache("d", layers[0]).path != RuleCache("d", layers[1]).path
 
 
 def test_key_holds_whether_compiled_steps_autotune(tmp_path, monkeypatch):

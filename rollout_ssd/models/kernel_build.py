@@ -6,7 +6,7 @@ flags and compiler, into $ROLLOUT_SSD_KERNEL_CACHE, else ~/.cache/rollout_ssd/ke
 folder of the temporary directory (a read-only home). Only folders that are ours and that nobody else can
 write to are read or written (a shared temporary directory could hold a planted library). Concurrent
 builders (an engine and its SSD worker process) each write a temporary file and rename it, so a reader
-never sees half a library. Used by bf16_rows.py, f32_rows.py and few_attention.py.
+never sees half a library. Used by bf16_rows.py, f32_rows.py, few_attention.py and layer_kernel.py.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ import torch
 import rollout_ssd
 from rollout_ssd.gpu.graphs import compile_mode
 from rollout_ssd.gpu.inductor import autotune
-from rollout_ssd.models import attention, bf16_rows, few_attention
+from rollout_ssd.models import attention, bf16_rows, few_attention, layer_kernel
 from rollout_ssd.models.cpu_backend import cpu_kind, cpu_model, f32_rows_kernel_rows, packed_bf16
 from rollout_ssd.models.decoder import Decoder
 from rollout_ssd.runner import ModelRunner
@@ -95,13 +95,13 @@ def _model_key(model: Decoder) -> dict:
 
 
 def _cpu_kernels(model: Decoder) -> Optional[dict]:
-    """Which kernels a CPU model's linears run on: a bf16 model's (cpu_backend.packed_linear: the bf16
-    rows kernel and whether compiled steps call it in C++, oneDNN's packed linear, and which form its
-    few-query attention takes: attention.SDPA_FEW_QUERIES, the few_attention kernel; a float16 model's
-    the former), a float32 model's
-    (the float32 rows kernel's most rows where it runs, 0 where not: cpu_backend.f32_rows_kernel_rows);
-    None for the models they never serve (an int4 draft, a GPU's): such a key neither asks for a kernel
-    (its build) nor changes when one is turned off."""
+    """Which kernels a CPU model's steps run on: a bf16 model's (cpu_backend.packed_linear: the bf16 rows
+    kernel and whether compiled steps call it in C++, oneDNN's packed linear; the form its few-query
+    attention takes: attention.SDPA_FEW_QUERIES, the few_attention kernel; the most tokens a step runs
+    through the one-call layer kernel, 0 where it does not run: layer_kernel.max_rows()), a float16 model's
+    attention form, a float32 model's (the float32 rows kernel's most rows where it runs, 0 where not:
+    cpu_backend.f32_rows_kernel_rows); None for the models they never serve (an int4 draft, a GPU's): such
+    a key neither asks for a kernel (its build) nor changes when one is turned off."""
     if not model.embed.is_cpu or model.copies.int4_group is not None:
         return None
     if model.dtype == torch.float32:
@@ -110,7 +110,8 @@ def _cpu_kernels(model: Decoder) -> Optional[dict]:
     if model.dtype != torch.bfloat16:
         return form if model.dtype == torch.float16 else None
     return {"bf16_rows": bf16_rows.available(), "bf16_rows_op_cpp": bf16_rows.op_in_cpp(), "packed_bf16": packed_bf16(),
-            "few_attention": few_attention.available(), **form}
+            "few_attention": few_attention.available(),
+            "layer_kernel": layer_kernel.max_rows() if layer_kernel.available() else 0, **form}
 
 
 class RuleCache:
