@@ -29,9 +29,10 @@ needs_kernel = pytest.mark.skipif(not bf16_rows.available(), reason="no AVX-512 
 
 
 def builds() -> list:
-    """The kernel's builds this CPU runs: its own (`variant()`), and the widened one where that is "dot"."""
+    """The kernel's builds this CPU runs: its own (`variant()`), and those below it: the dot and widened ones
+    where that is "amx", the widened one where it is "dot"."""
     kind = bf16_rows.variant()
-    return [] if kind is None else [kind] + (["widened"] if kind == "dot" else [])
+    return {"amx": ["amx", "dot", "widened"], "dot": ["dot", "widened"], "widened": ["widened"]}.get(kind, [])
 
 
 def kernel_fn(kind: str):
@@ -66,9 +67,11 @@ def error_bound(x: torch.Tensor, w: torch.Tensor, bias, ref: torch.Tensor) -> to
 def test_available_exactly_where_the_cpu_has_avx512_and_a_compiler_builds_it(monkeypatch):
     """Off without AVX-512 (F, BW, VL); with it and a C compiler the kernel must build and be on (a compile
     error fails here with the compiler's output rather than skipping every kernel test), in the dot build
-    exactly where the CPU has avx512_bf16; off when turned off."""
+    exactly where the CPU has avx512_bf16, the amx build where it has AMX too (and it loads: this suite's
+    compiler has AMX intrinsics); off when turned off."""
     flags = cpu_backend.cpu_flags()
-    expected = "dot" if {"avx512_bf16", "avx512bw", "avx512vl"} <= flags else \
+    dot = {"avx512_bf16", "avx512bw", "avx512vl"} <= flags
+    expected = "amx" if dot and {"amx_bf16", "amx_tile"} <= flags else "dot" if dot else \
         "widened" if {"avx512f", "avx512bw", "avx512vl", "fma"} <= flags else None
     assert bf16_rows.variant() == expected
     if expected is None:
@@ -81,12 +84,13 @@ def test_available_exactly_where_the_cpu_has_avx512_and_a_compiler_builds_it(mon
         except subprocess.CalledProcessError as exc:
             pytest.fail(f"the bf16 rows kernel does not compile: {exc.stderr}")
         assert bf16_rows.available() or os.environ.get("ROLLOUT_SSD_BF16_ROWS") == "0"
+        assert bf16_rows.loaded_variant() in (expected, None)
     monkeypatch.setattr(bf16_rows, "_ON", False)
     assert not bf16_rows.available()
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["dot", "widened"])
+@pytest.mark.parametrize("kind", ["amx", "dot", "widened"])
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (3072, 576), (8192, 576), (49, 34), (200, 2)])
 @pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 13, 16])
 def test_kernel_is_within_its_rounding_bound_of_float64(kind, shape, rows):
@@ -103,12 +107,12 @@ def test_kernel_is_within_its_rounding_bound_of_float64(kind, shape, rows):
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["dot", "widened"])
+@pytest.mark.parametrize("kind", ["amx", "dot", "widened"])
 def test_the_output_is_rounded_to_bf16_as_torchs_cast(kind):
     """x = 0, so each output is its bias, rounded once to bf16: bitwise torch's float -> bf16 cast (round to
     nearest, ties to even, overflow to inf) for random float32 bit patterns, ties both ways, the largest
-    finite values, infinities and (widened build) subnormals; NaN stays NaN. The dot build's vcvtneps2bf16
-    treats subnormals as zeros (Intel's definition of the instruction), so there they are left out."""
+    finite values, infinities and (widened build) subnormals; NaN stays NaN. The dot and amx builds'
+    vcvtneps2bf16 treats subnormals as zeros (Intel's definition of the instruction), so there they are left out."""
     if kind not in builds():
         pytest.skip(f"the {kind} build does not run on this CPU")
     fn = kernel_fn(kind)
@@ -124,13 +128,13 @@ def test_the_output_is_rounded_to_bf16_as_torchs_cast(kind):
     out = bf16_rows.linear(x, bf16_rows.pack(w), bias.numel(), bias, kernel=fn)
     nan, subnormal = bias.isnan(), bias.abs() < torch.finfo(torch.float32).tiny
     assert nan.any() and out.isnan()[:, nan].all()
-    exact = ~nan & ~subnormal if kind == "dot" else ~nan
+    exact = ~nan & ~subnormal if kind in ("amx", "dot") else ~nan
     assert subnormal.sum() >= 5 and exact.sum() > 3900
     assert torch.equal(out[:, exact].view(torch.int16), bias[exact].to(torch.bfloat16).expand(2, -1).view(torch.int16))
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["dot", "widened"])
+@pytest.mark.parametrize("kind", ["amx", "dot", "widened"])
 def test_a_rows_result_does_not_depend_on_its_batch_or_the_thread_count(kind):
     if kind not in builds():
         pytest.skip(f"the {kind} build does not run on this CPU")
@@ -138,7 +142,7 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_thread_count(kind):
     w, x, bias = case(1000, 576, 16, seed=7)  # 1000: the last tile of 64 is partial
     packed = bf16_rows.pack(w)
     alone = torch.cat([bf16_rows.linear(x[i:i + 1], packed, 1000, bias, kernel=fn) for i in range(16)])
-    for m in range(1, 17):  # groups of up to 7 (dot) or 5 (widened) rows: 8 = 4 + 4, 13 = 7 + 6 or 5 + 5 + 3, ...
+    for m in range(1, 17):  # groups of up to 7 (dot), 5 (widened) or 16 (amx) rows: 8 = 4 + 4, 13 = 7 + 6, ...
         assert torch.equal(bf16_rows.linear(x[:m], packed, 1000, bias, kernel=fn), alone[:m]), m
         assert torch.equal(bf16_rows.linear(x[16 - m:], packed, 1000, bias, kernel=fn), alone[16 - m:]), m
     threads = torch.get_num_threads()
@@ -153,6 +157,12 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_thread_count(kind):
         packed = bf16_rows.pack(w)
         alone = torch.cat([bf16_rows.linear(x[i:i + 3], packed, 100, bias, kernel=fn) for i in range(0, 600, 3)])
         assert torch.equal(bf16_rows.linear(x, packed, 100, bias, kernel=fn), alone)
+    if kind == "amx":  # past a tile's 16 rows: groups of equal size, x padded with zero rows where m is not a multiple
+        w, x, bias = case(130, 96, 45, seed=9)
+        packed = bf16_rows.pack(w)
+        alone = torch.cat([bf16_rows.linear(x[i:i + 1], packed, 130, bias, kernel=fn) for i in range(45)])
+        for m in (17, 32, 33, 45):
+            assert torch.equal(bf16_rows.linear(x[:m], packed, 130, bias, kernel=fn), alone[:m]), m
 
 
 @needs_kernel
@@ -174,10 +184,10 @@ def test_packed_linear_routes_every_row_count_to_the_widened_kernel():
 
 @needs_kernel
 def test_packed_linear_routes_few_rows_to_the_kernel_and_more_to_onednn():
-    """Up to rows_kernel_rows() rows (32; 2 where oneDNN has AMX tiles) the kernel, above it oneDNN."""
-    if bf16_rows.variant() != "dot":
+    """Up to rows_kernel_rows() rows (32) the kernel, above it oneDNN."""
+    if bf16_rows.variant() not in ("amx", "dot"):
         pytest.skip("the widened build serves every row count (the test above)")
-    assert rows_kernel_rows() == (2 if "amx_bf16" in cpu_backend.cpu_flags() else 32)
+    assert rows_kernel_rows() == 32
     w, x, bias = case(130, 64, rows_kernel_rows() + 1, seed=3)
     copies = WeightCopies()
     few = x[:rows_kernel_rows()]
@@ -391,7 +401,7 @@ def test_default_bf16_decode_and_verify_steps_through_the_kernel_are_within_bf16
     tok = default_model_f32.tokenizer
     ids = tok("Here is a short list of European countries and their capitals, as a geography teacher "
               "would write it on the board. The capital of France is Paris. The capital of Italy is").input_ids
-    if bf16_rows.variant() == "dot":
+    if bf16_rows.variant() in ("amx", "dot"):
         assert len(ids) > rows_kernel_rows()  # the prefill runs oneDNN's kernels
     cont = tok(" Rome, and the capital of Spain is Madrid; of Germany,").input_ids[:10]
     runner = ModelRunner(model, num_slots=1, max_len=64)

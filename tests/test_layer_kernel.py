@@ -50,9 +50,9 @@ def run(model, kernel: bool, monkeypatch, threads: int = 2, rows=(0, 1), steps=S
 
 
 def builds():
-    """This CPU's build, and the widened one (the avx512 kind's: bf16 widened to float32 in registers) where
-    this CPU's is the dot one."""
-    return ["native"] + (["widened"] if bf16_rows.variant() == "dot" else [])
+    """This CPU's build, and the rows kernel's builds below it that this CPU also runs (the dot one where it
+    has AMX; the widened one, the avx512 kind's, where it has avx512_bf16)."""
+    return ["native"] + {"amx": ["dot", "widened"], "dot": ["widened"]}.get(bf16_rows.variant(), [])
 
 
 @pytest.mark.parametrize("build", builds())
@@ -63,9 +63,9 @@ def test_as_accurate_as_the_module_layers_against_float32(pair, build, monkeypat
     quarter of that error of the module layers' logits; the kernel did serve the steps (the module layers
     are counted)."""
     bf16, f32 = pair
-    if build == "widened":
-        widened = layer_kernel.load("widened")
-        monkeypatch.setattr(layer_kernel, "_kernel", lambda: widened)
+    if build != "native":
+        other = layer_kernel.load(build)
+        monkeypatch.setattr(layer_kernel, "_kernel", lambda: other)
     calls = []
     for layer in bf16.layers:
         monkeypatch.setattr(layer, "forward", lambda *a, _f=layer.forward: calls.append(1) or _f(*a))

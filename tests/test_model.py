@@ -531,7 +531,7 @@ def test_dtype_auto_is_the_cpu_backends_pick():
 
 
 @pytest.mark.parametrize("kind, onednn_says, kernel, want", [
-    ("amx", True, "dot", torch.bfloat16), ("avx512_bf16", True, "dot", torch.bfloat16),
+    ("amx", True, "amx", torch.bfloat16), ("avx512_bf16", True, "dot", torch.bfloat16),
     ("avx512", True, "widened", torch.bfloat16),  # the widened rows kernel reads bf16 at memory speed
     ("avx512", True, None, torch.float32),  # no kernel: oneDNN emulates bf16 there (widened to float32), slower
     ("avx2", False, None, torch.float32), ("default", False, None, torch.float32)])

@@ -4,8 +4,12 @@ Why a kernel of our own: at a few rows (a decode step, a verify of K+1 tokens, a
 linear is bound by reading its weight, and every CPU kernel found for bf16 (oneDNN's packed linear,
 inductor's reductions and GEMM templates) converts each weight element to float32 and multiplies in
 float32: from 2 rows on they are compute-bound at under half the memory's read speed, so a verify cost
-about two decode steps (bench/RESULTS.md, "bf16 kernel for a few rows"). Two builds of one source, by
+about two decode steps (bench/RESULTS.md, "bf16 kernel for a few rows"). Three builds of one source, by
 what the CPU has (`variant`):
+- "amx", where the CPU has AMX (Sapphire Rapids and later): the tile unit multiplies up to 16 rows x 32 k
+  by 16 outputs in one instruction, so 1 to 16 rows cost the same pass over the weight, at the memory's
+  read speed (the dot build's code where k is not a multiple of 32, or where Linux does not lend the
+  process the tiles);
 - "dot", with avx512_bf16: its dot instruction multiplies bf16 pairs as they are, 32 multiply-adds per
   instruction;
 - "widened", AVX-512 without bf16 units: each line of bf16 pairs is widened to float32 in registers (a
@@ -54,8 +58,9 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "bf16_rows.c"
 OP_SOURCE = SOURCE.with_name("bf16_rows_op.cpp")
 COMMON_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-fopenmp", "-shared", "-fPIC")
-VARIANT_FLAGS = {"dot": ("-mavx512bf16",), "widened": ("-mfma",)}  # past COMMON_FLAGS, by `variant()`
-SYMBOLS = {"dot": "bf16_rows_linear", "widened": "bf16_rows_linear_widened"}  # csrc/bf16_rows.c's EXPORT
+VARIANT_FLAGS = {"amx": ("-mavx512bf16", "-mamx-tile", "-mamx-bf16"), "dot": ("-mavx512bf16",),
+                 "widened": ("-mfma",)}  # past COMMON_FLAGS, by `variant()`
+SYMBOLS = {"amx": "bf16_rows_linear_amx", "dot": "bf16_rows_linear", "widened": "bf16_rows_linear_widened"}
 TILE = 64  # outputs per tile of the packed layout (csrc/bf16_rows.c)
 OP_TORCH = "2.10"  # the stable ABI version csrc/bf16_rows_op.cpp targets (TORCH_TARGET_VERSION in _op_command)
 
@@ -67,17 +72,25 @@ def cpu_has_avx512_bf16() -> bool:
 
 
 def variant() -> Optional[str]:
-    """The build this CPU runs: "dot" (avx512_bf16's dot instruction), "widened" (AVX-512 F/BW/VL with FMA,
-    no bf16 units: bf16 widened to float32 in registers), or None (no AVX-512: the kernel is off)."""
+    """The build this CPU should run: "amx" (AMX's tile unit where k is a multiple of 32, the dot build's
+    code elsewhere), "dot" (avx512_bf16's dot instruction), "widened" (AVX-512 F/BW/VL with FMA, no bf16
+    units: bf16 widened to float32 in registers), or None (no AVX-512: the kernel is off). Where the amx
+    build fails (a compiler without AMX intrinsics) the dot one runs: `loaded_variant`."""
     from rollout_ssd.models.cpu_backend import cpu_flags
 
     if cpu_has_avx512_bf16():
-        return "dot"
+        return "amx" if {"amx_bf16", "amx_tile"} <= cpu_flags() else "dot"
     return "widened" if {"avx512f", "avx512bw", "avx512vl", "fma"} <= cpu_flags() else None
 
 
+def loaded_variant() -> Optional[str]:
+    """The build `linear` runs in this process: `variant()`, or "dot" where the amx build did not build or
+    load; None where the kernel does not run."""
+    return _LOADED[0] if _kernel() is not None else None
+
+
 def flags(kind: str) -> tuple[str, ...]:
-    """The compiler flags of the `kind` build ("dot" | "widened")."""
+    """The compiler flags of the `kind` build ("amx" | "dot" | "widened")."""
     return (*COMMON_FLAGS, *VARIANT_FLAGS[kind])
 
 
@@ -127,17 +140,24 @@ def load(kind: str):
 @functools.cache
 def _kernel():
     """The loaded C function, or None where the kernel cannot run here (logged once)."""
-    kind = variant()
-    if kind is None:
-        return None
-    try:
-        fn = load(kind)
-    except (OSError, AttributeError, subprocess.CalledProcessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
-        log.warning("bf16 rows kernel (%s) not built or not loaded (%s); bf16 linears keep oneDNN's kernels", kind, detail)
-        return None
-    _op_library()
-    return fn
+    kinds = {"amx": ["amx", "dot"]}.get(variant(), [variant()])
+    for kind in kinds:
+        if kind is None:
+            return None
+        try:
+            fn = load(kind)
+        except (OSError, AttributeError, subprocess.CalledProcessError) as exc:
+            detail = getattr(exc, "stderr", "") or exc
+            then = "the dot build next" if kind != kinds[-1] else "bf16 linears keep oneDNN's kernels"
+            log.warning("bf16 rows kernel (%s) not built or not loaded (%s); %s", kind, detail, then)
+            continue
+        _LOADED[:] = [kind]
+        _op_library()
+        return fn
+    return None
+
+
+_LOADED: list = []  # the kind `_kernel` loaded
 
 
 @functools.cache
@@ -153,7 +173,7 @@ def _op_library() -> Optional[Path]:
                  "through Python", OP_TORCH)
         return None
     try:
-        path = build(op=True)
+        path = build(op=True, kind=_LOADED[0] if _LOADED else None)  # the build `linear` runs
         torch.ops.load_library(str(path))
     except Exception as exc:  # noqa: BLE001 (a build or a load that fails: the fallback serves the op)
         detail = getattr(exc, "stderr", "") or exc

@@ -197,10 +197,11 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, None)
 
 
-# bf16 linears of 1..N rows run bf16_rows.py's kernel on AVX-512, oneDNN's packed linear above: N = 2 on AMX (oneDNN
-# faster from 3 rows), every row count without bf16 units (oneDNN emulates bf16, 3x slower), 32 elsewhere. (RESULTS.md:
-# "bf16 kernel for a few rows", "A fifth CPU kind", "bf16 without bf16 units".)
-ROWS_KERNEL_MAX_ROWS = {"amx": 2, "avx512": 1 << 30}
+# bf16 linears of 1..N rows run bf16_rows.py's kernel on AVX-512, oneDNN's packed linear above: every row count without
+# bf16 units (oneDNN emulates bf16, 3x slower), 32 elsewhere (on AMX the kernel's amx build: 1.1-1.2x oneDNN's speed up
+# to 32 rows, slower from 48; its dot build alone lost to oneDNN from 3 rows there). (RESULTS.md: "bf16 kernel for a
+# few rows", "A fifth CPU kind", "bf16 without bf16 units", "One C call a layer".)
+ROWS_KERNEL_MAX_ROWS = {"avx512": 1 << 30}
 _ROWS_KERNEL_ROWS = ROWS_KERNEL_MAX_ROWS.get(cpu_kind(), 32)  # read once: compiled steps trace the plain read
 
 

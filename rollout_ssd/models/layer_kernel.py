@@ -41,10 +41,10 @@ SOURCE = Path(__file__).with_name("csrc") / "decoder_layer.c"
 INCLUDED = (bf16_rows.SOURCE, few_attention.SOURCE)  # part of the library's key: it includes them
 MAX_HEAD_DIM = few_attention.MAX_HEAD_DIM
 
-# The most tokens a step runs through the layer kernel, per CPU kind (else `cpu_backend.rows_kernel_rows()`, the
-# rows kernel's own limit): on AMX oneDNN's linears win from 3 rows on alone, but the layer kernel at up to N rows
-# still beats them with the small ops' dispatch added (bench/layer_kernel.py; bench/RESULTS.md, "One C call a layer").
-MAX_ROWS = {"amx": 8}
+# The most tokens a step runs through the layer kernel, per CPU kind where measured otherwise, else
+# `cpu_backend.rows_kernel_rows()`, the rows kernel's own limit (bench/layer_kernel.py; bench/RESULTS.md, "One C call
+# a layer").
+MAX_ROWS: dict = {}
 _MAX_ROWS = MAX_ROWS.get(cpu_backend.cpu_kind(), cpu_backend.rows_kernel_rows())
 
 
@@ -54,7 +54,7 @@ def max_rows() -> int:
 
 
 def build(kind: str, compiler: Optional[str] = None) -> Path:
-    """Compile csrc/decoder_layer.c for the rows kernel's `kind` ("dot" | "widened") into the kernel cache."""
+    """Compile csrc/decoder_layer.c for the rows kernel's `kind` ("amx" | "dot" | "widened") into the kernel cache."""
     return kernel_build.build_library(f"decoder_layer_{kind}", SOURCE, (*bf16_rows.flags(kind), "-fno-math-errno"),
                                       key_text=b"".join(p.read_bytes() for p in INCLUDED),
                                       compiler=compiler or kernel_build.default_compiler())
@@ -73,7 +73,7 @@ def load(kind: str):
 @functools.cache
 def _kernel():
     """The loaded C function, or None where it cannot run here (logged once)."""
-    kind = bf16_rows.variant()
+    kind = bf16_rows.loaded_variant()  # the rows kernel's build: its code is this library's linears
     if kind is None:
         return None
     try:

@@ -172,3 +172,123 @@ int EXPORT(const uint16_t *x, long m, long k, const uint16_t *packed, long n, co
 #endif
     return 0;
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+/* The same product on AMX's tile unit (Sapphire Rapids and later), for the layer kernel's steps of a few
+ * tokens (decoder_layer.c): one tile multiply takes 16 rows x 32 k against 16 outputs, so 3 to 16 rows cost
+ * one row's instructions, where the dot kernel's cost grows with the rows (1.5 one-row passes at 5 rows
+ * on an AMX Xeon: bench/RESULTS.md, "One C call a layer"). It reads the same packed layout: a B tile is 16
+ * pairs of k for 16 of a weight tile's 64 outputs, rows 256 bytes apart. k must be a multiple of 32 (a
+ * tile's depth). Each output's sum runs over k in chunks of 32 in order, whatever the rows beside it, so a
+ * row's result does not depend on its batch; the order within a chunk is the tile unit's, so the results
+ * are not the dot kernel's bits (both float32 sums of the same products, rounded once to bf16).
+ * Linux lends a process the tile registers only on request (arch_prctl ARCH_REQ_XCOMP_PERM), made once. */
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config_t;
+
+int bf16_rows_amx_ready(void) {  /* 1 where this process may use the tiles (asked once), else 0 */
+    static int state;  /* 0: not asked yet; 1: granted; -1: refused */
+    if (state == 0) {
+        int ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+        __atomic_store_n(&state, ok ? 1 : -1, __ATOMIC_RELEASE);
+    }
+    return state == 1;
+}
+
+static void amx_configure(int rows) {  /* tiles 0-3: C (rows x 16 floats); 4: A (rows x 32 bf16); 5-7: B */
+    amx_config_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 5; t++) {
+        c.rows[t] = (uint8_t)rows;
+        c.colsb[t] = 64;
+    }
+    for (int t = 5; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* the configured rows of x times one 64-output weight tile, the first `keep` rows written to out */
+static void amx_tile(int keep, const uint16_t *x, long k, const uint16_t *w, long pairs, const float *bias,
+                     uint16_t *out, long n_out, long col0) {
+    float acc[16 * 64];
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (long p = 0; p < pairs; p += 16) {
+        const uint16_t *line = w + p * TILE * 2;
+        for (int i = 0; i < 64; i++)  /* the next chunk's 64 lines (4 KB), into L2 */
+            _mm_prefetch((const char *)(line + 16 * TILE * 2 + i * 32), _MM_HINT_T1);
+        _tile_loadd(4, x + 2 * p, k * 2);
+        _tile_loadd(5, line, TILE * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, line + 32, TILE * 4);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, line + 64, TILE * 4);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, line + 96, TILE * 4);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, acc, 256);
+    _tile_stored(1, acc + 16, 256);
+    _tile_stored(2, acc + 32, 256);
+    _tile_stored(3, acc + 48, 256);
+    for (int t = 0; t < 4; t++) {
+        long col = col0 + t * 16;
+        if (col >= n_out) break;
+        long left = n_out - col;
+        __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+        __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+        for (int r = 0; r < keep; r++) {
+            __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc + r * 64 + t * 16), b));
+            _mm256_mask_storeu_epi16(out + r * n_out + col, mask, h);
+        }
+    }
+}
+
+/* bf16_rows_linear's contract on the tile unit where k is a multiple of 32 and the process has the tiles
+ * (bf16_rows_amx_ready()); elsewhere bf16_rows_linear itself (a weight's form depends on its shape only). */
+int bf16_rows_linear_amx(const uint16_t *x, long m, long k, const uint16_t *packed, long n, const float *bias,
+                         uint16_t *out, int threads) {
+    if (m <= 0 || n <= 0) return 0;
+    if (k % 32 || !bf16_rows_amx_ready()) return EXPORT(x, m, k, packed, n, bias, out, threads);
+    /* rows in groups of equal size (at most 16: a tile's rows), so that one tile configuration serves them
+       all; x copied with zero rows to a whole number of groups where m is not one (their outputs dropped).
+       Every group of a weight tile runs before the next tile, which is then read from memory once. */
+    const long pairs = k / 2, tiles = (n + TILE - 1) / TILE, groups = (m + 15) / 16, per = (m + groups - 1) / groups;
+    uint16_t *padded = NULL;
+    if (groups * per != m) {
+        padded = (uint16_t *)calloc((size_t)(groups * per) * (size_t)k, sizeof(uint16_t));
+        if (!padded) return -1;
+        memcpy(padded, x, (size_t)m * (size_t)k * sizeof(uint16_t));
+        x = padded;
+    }
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        amx_configure((int)per);
+#pragma omp for schedule(static)
+        for (long tile = 0; tile < tiles; tile++)
+            for (long g = 0; g < groups; g++) {
+                long r0 = g * per, rows = m - r0 < per ? m - r0 : per;
+                amx_tile((int)rows, x + r0 * k, k, packed + tile * pairs * TILE * 2, pairs, bias,
+                         out + r0 * n, n, tile * TILE);
+            }
+        _tile_release();
+    }
+    free(padded);
+    return 0;
+}
+#define ROWS_LINEAR bf16_rows_linear_amx  /* what the layer kernel and the op call: the build's best form */
+#else
+#define ROWS_LINEAR EXPORT
+#endif

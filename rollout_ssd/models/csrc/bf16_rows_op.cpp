@@ -41,7 +41,7 @@ static Tensor bf16_rows_op(Tensor x, Tensor packed, std::optional<Tensor> bias, 
     xc = torch::stable::clone(xc);
   }
   Tensor out = torch::stable::new_empty(xc, {m, n});
-  const int failed = EXPORT(static_cast<const uint16_t *>(xc.data_ptr()), m, k, static_cast<const uint16_t *>(packed.data_ptr()),
+  const int failed = ROWS_LINEAR(static_cast<const uint16_t *>(xc.data_ptr()), m, k, static_cast<const uint16_t *>(packed.data_ptr()),
                    n, b.has_value() ? static_cast<const float *>(b->data_ptr()) : nullptr,
                    static_cast<uint16_t *>(out.data_ptr()), static_cast<int>(torch::stable::get_num_threads()));
   STD_TORCH_CHECK(failed == 0, "rollout_ssd::bf16_rows: no memory for a float32 copy of x [", m, ", ", k, "]");

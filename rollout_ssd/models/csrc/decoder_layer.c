@@ -102,7 +102,7 @@ int decoder_layer(uint16_t *x, long b, long t, long hidden, long hq, long hkv, l
     int failed = 0;
 
     rms_rows(x, m, hidden, hidden, norm_in, eps, h);
-    failed |= EXPORT(h, m, hidden, wqkv, nqkv, bqkv, qkv, threads);
+    failed |= ROWS_LINEAR(h, m, hidden, wqkv, nqkv, bqkv, qkv, threads);
     for (long r = 0; r < m; r++) {
         uint16_t *row = qkv + r * nqkv;
         if (q_norm) {
@@ -129,11 +129,11 @@ int decoder_layer(uint16_t *x, long b, long t, long hidden, long hq, long hkv, l
         for (long hh = 0; hh < hq; hh++)
             for (long j = 0; j < t; j++)
                 memcpy(q + (i * t + j) * nq + hh * d, att + ((i * hq + hh) * t + j) * d, (size_t)d * sizeof(uint16_t));
-    failed |= EXPORT(q, m, nq, wo, hidden, NULL, y, threads);
+    failed |= ROWS_LINEAR(q, m, nq, wo, hidden, NULL, y, threads);
     add_rows(x, y, m * hidden);
 
     rms_rows(x, m, hidden, hidden, norm_post, eps, h);
-    failed |= EXPORT(h, m, hidden, wgu, 2 * inter, NULL, gu, threads);
+    failed |= ROWS_LINEAR(h, m, hidden, wgu, 2 * inter, NULL, gu, threads);
     for (long r = 0; r < m; r++) {
         const uint16_t *g = gu + r * 2 * inter, *u = g + inter;
         uint16_t *a = act + r * inter;
@@ -143,7 +143,7 @@ int decoder_layer(uint16_t *x, long b, long t, long hidden, long hq, long hkv, l
             a[i] = bmul(f32_to_bf16(gv / (1.0f + expf(-gv))), u[i]);
         }
     }
-    failed |= EXPORT(act, m, inter, wdown, hidden, NULL, y, threads);
+    failed |= ROWS_LINEAR(act, m, inter, wdown, hidden, NULL, y, threads);
     add_rows(x, y, m * hidden);
     free(buf);
     return failed ? -1 : 0;
