@@ -15,6 +15,7 @@ last line.
     .venv/bin/python bench/fresh_engines.py --workloads demo --repeats 1
     .venv/bin/python bench/fresh_engines.py --rule-cache warm   # SSD engines start from the rule's cache
     .venv/bin/python bench/fresh_engines.py --workloads grpo --ssd-rounds   # and the SSD engine's SSD rounds
+    .venv/bin/python bench/fresh_engines.py --draft target-int4 --k 3        # another draft and K
 """
 
 from __future__ import annotations
@@ -50,12 +51,13 @@ def workload(name: str, tokenizer, new_tokens: int = 0):
     raise ValueError(f"unknown workload {name!r}; known: {WORKLOADS}")
 
 
-def run(method: str, name: str, new_tokens: int = 0, rule_cache=False) -> dict:
+def run(method: str, name: str, new_tokens: int = 0, rule_cache=False, draft: str = "default", k: int = 4) -> dict:
     """One fresh engine's first call of workload `name`: tokens, seconds, acceptance, prefill seconds,
     rounds and seconds per plan, and (SSD) the rounds' trace (`SSDDecode.trace`). `rule_cache`:
-    SpecConfig.rule_cache (False: the engine measures as on a machine it never ran on)."""
-    spec = SpecConfig(method=method, k=4, rule_cache=rule_cache)
-    engine = RolloutEngine.from_pretrained(draft=None if method == "ar" else "default", spec=spec)
+    SpecConfig.rule_cache (False: the engine measures as on a machine it never ran on); `draft` and `k`:
+    SD's and SSD's draft and speculation length."""
+    spec = SpecConfig(method=method, k=k, rule_cache=rule_cache)
+    engine = RolloutEngine.from_pretrained(draft=None if method == "ar" else draft, spec=spec)
     with engine:
         batches, params = workload(name, engine.target.tokenizer, new_tokens)
         trace = None
@@ -82,6 +84,8 @@ def main(argv=None):
                    help="off: no engine starts from the strategy rule's cache (a machine's first run); warm: "
                         "each SSD engine starts from the cache its predecessors left (one untimed run per "
                         "workload fills it first), as an RL actor restarted on the same machine does")
+    p.add_argument("--draft", default="default", help="SD's and SSD's draft: default, target-int4, or a checkpoint")
+    p.add_argument("--k", type=int, default=4, help="SD's and SSD's speculation length")
     p.add_argument("--ssd-rounds", action="store_true",
                    help="also list the SSD engine's rounds of SSD plans (batch, cold, seconds, wait, fan-out)")
     args = p.parse_args(argv)
@@ -89,13 +93,13 @@ def main(argv=None):
     ssd_rounds = []
     cache = False if args.rule_cache == "off" else tempfile.mkdtemp(prefix="fresh_engines_rule_")
     for w in names_ if cache else ():
-        run("ssd", w, rule_cache=cache)
+        run("ssd", w, rule_cache=cache, draft=args.draft, k=args.k)
     totals = {(w, m): {"tokens": 0, "seconds": 0.0, "rounds": {}, "plan_seconds": {}}
               for w in names_ for m in ("ar", "sd", "ssd")}
     for _ in range(args.repeats):
         for w in names_:
             for method in ("ar", "sd", "ssd"):
-                out = run(method, w, rule_cache=cache)
+                out = run(method, w, rule_cache=cache, draft=args.draft, k=args.k)
                 if args.ssd_rounds:
                     ssd_rounds += [{"workload": w, "round": i, **{k: r[k] for k in SSD_ROUND_FIELDS}}
                                    for i, r in enumerate(out["trace"]) if r["strategy"].startswith("ssd")]
@@ -117,7 +121,7 @@ def main(argv=None):
                                                           for k, v in totals[(w, "ssd")]["plan_seconds"].items()),
                      "SSD call s": totals[(w, "ssd")]["seconds"] / args.repeats})
     print(f"CPU {cpu_kind()}; dtype auto: {describe_auto_dtype()}; first call of a fresh engine, {args.repeats} runs "
-          f"each; strategy rule cache {args.rule_cache}")
+          f"each; strategy rule cache {args.rule_cache}; draft {args.draft}, k {args.k}")
     print_table(rows)
     if ssd_rounds:
         print_table([{**r, "fanout": str(r["fanout"]), "paths": str(r["paths"])} for r in ssd_rounds], floatfmt=".3f")

@@ -8,6 +8,7 @@ is GEMM / GEMV and how much is the small per-layer ops. Run:
 
     .venv/bin/python bench/profile_sd.py            # 4 held-out prompts, 48 tokens, K=3, 2 threads, float32
     .venv/bin/python bench/profile_sd.py --dtype auto
+    .venv/bin/python bench/profile_sd.py --dtype auto --draft target-int4 --k 4
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def parse_args(argv=None):
     add_prompt_set_arg(p)
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--k", type=int, default=3)
+    p.add_argument("--draft", default="default", help="default (the built-in), target-int4, or a checkpoint")
     p.add_argument("--op-steps", type=int, default=20, help="target decode steps under torch.profiler")
     p.add_argument("--dtype", default="float32", help="the pair's dtype (\"auto\": the engine's default)")
     p.add_argument("--quick", action="store_true", help="1 prompt, 12 tokens, 3 profiled steps")
@@ -123,7 +125,7 @@ def op_profile(target, steps: int) -> list[dict]:
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    target, draft = load_default_pair(dtype=args.dtype)
+    target, draft = load_default_pair(args.draft, dtype=args.dtype)
     prompts = bench_prompts(target.tokenizer, args.prompt_set, args.prompts)
     cfg = EngineConfig(max_batch_size=1, max_model_len=max(map(len, prompts)) + args.new_tokens + 8)
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)

@@ -178,3 +178,34 @@ def test_causal_mask():
 
 def test_max_rows_is_the_cpu_backends_unless_measured_for_the_kind():
     assert layer_kernel.max_rows() == layer_kernel.MAX_ROWS.get(cpu_backend.cpu_kind(), cpu_backend.rows_kernel_rows())
+
+
+@pytest.fixture(scope="module")
+def int4_pair(tmp_path_factory):
+    """(bf16 tiny Qwen3 with q/k norms, its int4 draft in int4_rows.c's groups): every width a multiple of 32."""
+    from rollout_ssd.models import quant
+
+    if not layer_kernel.int4_available():
+        pytest.skip("int4_rows.c does not run here (it needs avx512_bf16)")
+    directory = tmp_path_factory.mktemp("int4")
+    build_tiny(directory, family="qwen3-qknorm-yarn", seed=5, num_hidden_layers=3, intermediate_size=64,
+               hidden_size=64, max_position_embeddings=256)
+    target = load_pretrained(str(directory), dtype="bfloat16", with_tokenizer=False)
+    return target.model, quant.int4_draft(target).model
+
+
+def test_an_int4_draft_runs_through_the_kernel_as_its_module_layers_do(int4_pair, monkeypatch):
+    """An int4 draft (its linears on int4_rows.c either way): the kernel's logits within a quarter of the
+    draft's own error against its bf16 target of the module layers' logits, at every step; the kernel
+    served every step (no module layer ran)."""
+    target, draft = int4_pair
+    calls = []
+    for layer in draft.layers:
+        monkeypatch.setattr(layer, "forward", lambda *a, _f=layer.forward: calls.append(1) or _f(*a))
+    ref, _ = run(target, True, monkeypatch)
+    modules, _ = run(draft, False, monkeypatch)
+    module_calls = len(calls)
+    fused, _ = run(draft, True, monkeypatch)
+    assert module_calls > 0 and len(calls) == module_calls
+    for s, (r, e, k) in enumerate(zip(ref, modules, fused)):
+        assert (k - e).abs().max() <= 0.25 * (e - r).abs().max(), s

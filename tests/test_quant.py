@@ -36,11 +36,15 @@ def test_codes_round_each_weight_to_its_groups_nearest_level():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_int4_linear_is_the_product_with_the_dequantized_weight(dtype, rows):
-    """The kernel's result against float64 x @ dequantized(w).T, with x, the scales and the offsets in
-    the dtype the kernel reads them in (bf16, whatever the model's dtype): within bf16's rounding of the
-    output, plus float32 accumulation over K (bound: (K + 2) eps(float32) sum |x||w| + eps(bf16) |ref|,
-    with a factor 4); the result comes back in the model's dtype."""
+def test_int4_linear_is_the_product_with_the_dequantized_weight(dtype, rows, monkeypatch):
+    """torch's int4 kernel (where csrc/int4_rows.c does not run, and in compiled steps) against float64
+    x @ dequantized(w).T, with x, the scales and the offsets in the dtype the kernel reads them in (bf16,
+    whatever the model's dtype): within bf16's rounding of the output, plus float32 accumulation over K
+    (bound: (K + 2) eps(float32) sum |x||w| + eps(bf16) |ref|, with a factor 4); the result comes back in
+    the model's dtype."""
+    from rollout_ssd.models import layer_kernel
+
+    monkeypatch.setattr(layer_kernel, "int4_available", lambda: False)
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(80, 96, generator=g).to(dtype)
     x = torch.randn(rows, 96, generator=g).to(dtype)
@@ -61,6 +65,74 @@ def test_int4_linear_is_the_product_with_the_dequantized_weight(dtype, rows):
     assert ((out.double() - ref).abs() <= bound).all()
     strided = x.t().contiguous().t()  # the same x, column-major (as a compiled step may hand it over)
     assert (rows == 1 or not strided.is_contiguous()) and torch.equal(quant.linear(strided, w, copies, "w", bias), out)
+
+
+def test_rows_codes_round_each_weight_to_its_groups_nearest_level():
+    """`pack_int4_rows`: codes in 0..15 whose dequantized weight (on the bf16 step and minimum) is within half
+    a step of w, plus the minimum's bf16 rounding; partial tiles (n not a multiple of 64) come back cut."""
+    w = torch.randn(100, 96, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    codes, scales = quant.pack_int4_rows(w)
+    assert codes.dtype == torch.uint8 and codes.shape == (2, 48, 64) and scales.shape == (2, 3, 2, 64)
+    deq = quant.dequantize_int4_rows(codes, scales, 100)
+    step = scales[:, :, 0].permute(0, 2, 1).reshape(128, 3)[:100].float().repeat_interleave(32, dim=1)
+    lo = scales[:, :, 1].permute(0, 2, 1).reshape(128, 3)[:100].float().repeat_interleave(32, dim=1)
+    assert (deq - w.float()).abs().le(step / 2 * (1 + 2.0 ** -7) + lo.abs() * 2.0 ** -8 + 1e-7).all()
+    with pytest.raises(ValueError, match="multiple of 32 columns"):
+        quant.pack_int4_rows(torch.zeros(4, 40))
+
+
+def _int4_rows_kernel():
+    from rollout_ssd.models import layer_kernel
+
+    if not layer_kernel.int4_available():
+        pytest.skip("csrc/int4_rows.c does not run here (it needs avx512_bf16)")
+    return layer_kernel
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (100, 64), (576, 1536), (49152 // 64, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 32])
+def test_int4_rows_kernel_is_the_product_with_its_dequantized_weight(shape, rows):
+    """csrc/int4_rows.c against float64 x @ dequantize_int4_rows(w).T (+ bias): its sum runs over
+    x (128 + q) and takes 128 s x off per group, so besides the output's bf16 rounding (eps(bf16) |ref|)
+    its float32 error is bounded by (K + 8) eps(float32) times sum |x| (143 s + |lo - 128 s|) per group,
+    with a factor 2; the same bound on every CPU."""
+    layer_kernel = _int4_rows_kernel()
+    n, k = shape
+    g = torch.Generator().manual_seed(rows * 7 + n)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g)
+    codes, scales = quant.pack_int4_rows(w)
+    deq = quant.dequantize_int4_rows(codes, scales, n).double()
+    tiles = codes.shape[0]
+    step, lo = (scales[:, :, i].permute(0, 2, 1).reshape(tiles * 64, -1)[:n].double().repeat_interleave(32, dim=1)
+                for i in (0, 1))
+    mags = x.double().abs() @ (143 * step + (lo - 128 * step).abs()).t()
+    for b in (None, bias):
+        out = layer_kernel.int4_linear(x, codes, scales, n, b)
+        ref = x.double() @ deq.t() + (0 if b is None else b.double())
+        bound = 2 * ((k + 8) * EPS[torch.float32] * mags + 2.0 ** -8 * ref.abs()) + 1e-30
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+        assert ((out.double() - ref).abs() <= bound).all()
+
+
+def test_int4_rows_kernel_row_results_do_not_depend_on_the_batch_or_threads():
+    layer_kernel = _int4_rows_kernel()
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(130, 96, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(11, 96, generator=g).to(torch.bfloat16)
+    codes, scales = quant.pack_int4_rows(w)
+    alone = torch.cat([layer_kernel.int4_linear(x[i:i + 1], codes, scales, 130) for i in range(11)])
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            for m in (2, 3, 4, 7, 11):
+                assert torch.equal(layer_kernel.int4_linear(x[:m], codes, scales, 130), alone[:m]), (t, m)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError, match="does not fit"):
+        layer_kernel.int4_linear(x[:, :64], codes, scales, 130)
 
 
 def test_bad_settings_are_refused_by_name(tmp_path):

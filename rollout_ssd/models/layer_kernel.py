@@ -33,12 +33,12 @@ from typing import Optional
 
 import torch
 
-from rollout_ssd.models import bf16_rows, cpu_backend, few_attention, kernel_build
+from rollout_ssd.models import bf16_rows, cpu_backend, few_attention, kernel_build, quant
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "decoder_layer.c"
-INCLUDED = (bf16_rows.SOURCE, few_attention.SOURCE)  # part of the library's key: it includes them
+INCLUDED = (bf16_rows.SOURCE, few_attention.SOURCE, SOURCE.with_name("int4_rows.c"))  # in the library's key
 MAX_HEAD_DIM = few_attention.MAX_HEAD_DIM
 
 # The most tokens a step runs through the layer kernel, per CPU kind where measured otherwise, else
@@ -64,9 +64,14 @@ def load(kind: str):
     """The `kind` build's C function, argument types set."""
     fn = ctypes.CDLL(str(build(kind))).decoder_layer
     p, n = ctypes.c_void_p, ctypes.c_long
-    fn.argtypes = [p, *[n] * 7, *[p] * 4, *[p] * 5, p, p, p, p, ctypes.c_int, p, p, p, p, n,
+    fn.argtypes = [p, *[n] * 7, *[p] * 4, *[p] * 5, p, p, p, p, p, ctypes.c_int, p, p, p, p, n,
                    ctypes.c_float, ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
+    fn.int4 = None
+    if kind in INT4_KINDS:
+        fn.int4 = ctypes.CDLL(str(build(kind))).int4_rows_linear
+        fn.int4.argtypes = [p, n, n, p, p, n, p, p, ctypes.c_int]
+        fn.int4.restype = ctypes.c_int
     return fn
 
 
@@ -96,14 +101,49 @@ def available() -> bool:
     return _ON and bf16_rows.available() and _kernel() is not None
 
 
+INT4_KINDS = ("amx", "dot")  # the builds with int4_rows.c (it needs avx512_bf16's dot instruction)
+
+
+def int4_available() -> bool:
+    """Whether int4 drafts' linears (quant.ROWS_GROUP groups) run on csrc/int4_rows.c here: its library
+    builds, whether or not the layer kernel is on (`set_enabled` switches the layers' form, not the
+    draft's quantization)."""
+    return bf16_rows.available() and _kernel() is not None and _kernel().int4 is not None
+
+
+def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [m, k] @ w.T (+ bias) -> bf16 [m, n] for w given as `quant.pack_int4_rows(w)`; needs `int4_available()`."""
+    m, k = x.shape
+    if codes.dtype != torch.uint8 or tuple(codes.shape[1:]) != (k // 2, 64) or codes.shape[0] * 64 < n \
+            or k % quant.ROWS_GROUP or tuple(scales.shape) != (codes.shape[0], k // quant.ROWS_GROUP, 2, 64) \
+            or scales.dtype != torch.bfloat16 or not (codes.is_contiguous() and scales.is_contiguous()):
+        raise ValueError(f"layer_kernel.int4_linear: x {tuple(x.shape)} does not fit codes {tuple(codes.shape)} "
+                         f"{codes.dtype}, scales {tuple(scales.shape)} {scales.dtype} with n={n}")
+    x = x.to(torch.bfloat16).contiguous()
+    if x.data_ptr() % 4:  # read in pairs of bf16
+        x = x.clone()
+    b = None if bias is None else bias.detach().float().contiguous()
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    if _kernel().int4(x.data_ptr(), m, k, codes.data_ptr(), scales.data_ptr(), n, None if b is None else b.data_ptr(),
+                      out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"layer_kernel.int4_linear: no memory for the group sums of x {tuple(x.shape)}")
+    return out
+
+
 def _model_fits(model) -> bool:
     """Whether the model's layers are ones the kernel computes: bf16 on the CPU, frozen, plain linears (not an
     int4 draft's), SDPA's cache layout, shapes the two kernels take."""
     from rollout_ssd.models.attention import SDPABackend
 
     cfg, layer = model.cfg, model.layers[0] if len(model.layers) else None
+    if layer is not None and layer.row_major.int4_group is not None:  # an int4 draft: int4_rows.c's groups
+        g = quant.ROWS_GROUP
+        if layer.row_major.int4_group != g or not int4_available() \
+                or any(k % g for k in (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)):
+            return False
     return (layer is not None and model.dtype == torch.bfloat16 and model.embed.is_cpu
-            and isinstance(model.backend, SDPABackend) and layer.row_major.int4_group is None
+            and isinstance(model.backend, SDPABackend)
             and not layer.wqkv.requires_grad and 0 < cfg.head_dim <= MAX_HEAD_DIM and cfg.head_dim % 2 == 0
             and cfg.hidden_size % 2 == 0 and cfg.intermediate_size % 2 == 0)
 
@@ -148,8 +188,13 @@ def forward_layers(model, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.
     fn, threads = _kernel(), torch.get_num_threads()
     for i, layer in enumerate(model.layers):
         copies = layer.row_major
-        packed = [copies.get(name + ":rows", getattr(layer, name), bf16_rows.pack)
-                  for name in ("wqkv", "wo", "w_gate_up", "w_down")]
+        names = ("wqkv", "wo", "w_gate_up", "w_down")
+        scales = None
+        if copies.int4_group is None:
+            packed = [copies.get(name + ":rows", getattr(layer, name), bf16_rows.pack) for name in names]
+        else:  # an int4 draft: codes and their scales
+            packed, sc = zip(*(quant.rows_copy(copies, name, getattr(layer, name)) for name in names))
+            scales = (ctypes.c_void_p * 4)(*(t.data_ptr() for t in sc))
         bias = None if layer.bqkv is None else copies.get("bqkv:float32", layer.bqkv,
                                                           lambda w: w.detach().float().contiguous())
         kc, vc = cache.keys[i][first], cache.values[i][first]
@@ -158,7 +203,7 @@ def forward_layers(model, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.
               None if layer.q_norm is None else layer.q_norm.data_ptr(),
               None if layer.k_norm is None else layer.k_norm.data_ptr(),
               packed[0].data_ptr(), None if bias is None else bias.data_ptr(), packed[1].data_ptr(),
-              packed[2].data_ptr(), packed[3].data_ptr(), cos.data_ptr(), signed_sin.data_ptr(),
+              packed[2].data_ptr(), packed[3].data_ptr(), scales, cos.data_ptr(), signed_sin.data_ptr(),
               kc.data_ptr(), vc.data_ptr(), kv_f32, strides, starts, num_new,
               None if mask is None else mask.data_ptr(), length, cfg.rms_norm_eps, model.scale, threads):
             raise MemoryError(f"layer_kernel: no memory for layer {i}'s scratch ({b} x {t} tokens)")

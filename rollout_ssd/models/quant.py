@@ -59,6 +59,45 @@ def dequantize(codes: torch.Tensor, scales_zeros: torch.Tensor, group: int) -> t
     return ((codes.reshape(n, k // group, group).float() - 8) * scale + zero).reshape(n, k)
 
 
+ROWS_GROUP = 32  # int4_rows.c's group (its layout): the layer kernel takes models quantized with it
+ROWS_KERNEL_MAX_ROWS = 32  # rows of an int4 linear int4_rows.c takes (three at a time, the codes widened per three)
+
+
+def pack_int4_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] (K a multiple of 32) in csrc/int4_rows.c's layout: (codes uint8 [ceil(N / 64), K / 2, 64],
+    scales bf16 [ceil(N / 64), K / 32, 2, 64]). Per group of 32 columns of a row: step s = (max - min) / 15
+    and minimum lo, both rounded to bf16 first, codes round((w - lo) / s) in 0..15, so w ~ codes * s + lo
+    (`int4_codes`' rounding, on the bf16 step and minimum the kernel reads)."""
+    n, k = w.shape
+    if k % ROWS_GROUP:
+        raise ValueError(f"pack_int4_rows needs a multiple of {ROWS_GROUP} columns, got a weight of shape {tuple(w.shape)}")
+    tiles = -(-n // 64)
+    g = torch.nn.functional.pad(w.detach().float(), (0, 0, 0, tiles * 64 - n)).reshape(tiles * 64, k // ROWS_GROUP,
+                                                                                     ROWS_GROUP)
+    lo = g.amin(-1).to(torch.bfloat16)
+    step = ((g.amax(-1) - lo.float()) / 15).to(torch.bfloat16)
+    safe = step.float().clamp(min=torch.finfo(torch.float32).tiny)[..., None]
+    codes = ((g - lo.float()[..., None]) / safe).round().clamp(0, 15).to(torch.uint8).reshape(tiles, 2, 32, k // 2, 2)
+    packed = (codes[:, 0] | (codes[:, 1] << 4)).permute(0, 2, 1, 3).reshape(tiles, k // 2, 64).contiguous()
+    scales = torch.stack((step, lo), -1).reshape(tiles, 64, k // ROWS_GROUP, 2).permute(0, 2, 3, 1).contiguous()
+    return packed, scales
+
+
+def dequantize_int4_rows(packed: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """The float32 [n, K] weight `pack_int4_rows`' output stands for (the reference its kernel is tested against)."""
+    tiles, pairs, _ = packed.shape
+    codes = torch.stack((packed & 15, packed >> 4), 1).reshape(tiles, 2, pairs, 32, 2).permute(0, 1, 3, 2, 4)
+    codes = codes.reshape(tiles * 64, pairs * 2).float()
+    step, lo = (scales[:, :, i].permute(0, 2, 1).reshape(tiles * 64, -1).float() for i in (0, 1))
+    w = codes.reshape(tiles * 64, -1, ROWS_GROUP) * step[..., None] + lo[..., None]
+    return w.reshape(tiles * 64, -1)[:n]
+
+
+def rows_copy(copies, name: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`name`'s `pack_int4_rows` copy, made on first use and after each write to w."""
+    return copies.get(name + ":int4rows", w, pack_int4_rows)
+
+
 class Int4Weight:
     """One weight's int4 copy in the kernel's packed layout."""
 
@@ -76,14 +115,21 @@ def _int4_copy(copies, name: str, w: torch.Tensor) -> Int4Weight:
 
 def linear(x: torch.Tensor, w: torch.Tensor, copies, name: str, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x @ w.T (+ bias) with w rounded to int4 (`copies.int4_group` columns per group), over the int4
-    copy `copies` keeps for `name`."""
+    copy `copies` keeps for `name`: csrc/int4_rows.c's (groups of 32, up to 32 rows, where the layer
+    kernel's library runs: avx512_bf16), else torch's int4 kernel's."""
+    m = x.numel() // x.shape[-1]
+    if not torch.compiler.is_compiling() and copies.int4_group == ROWS_GROUP and m <= ROWS_KERNEL_MAX_ROWS:
+        from rollout_ssd.models import layer_kernel  # (imported here: layer_kernel imports this module)
+
+        if layer_kernel.int4_available() and x.shape[-1] % ROWS_GROUP == 0:  # int4_rows.c, the layer kernel's
+            out = layer_kernel.int4_linear(x.reshape(m, x.shape[-1]), *rows_copy(copies, name, w), w.shape[0], bias)
+            return out.to(w.dtype).view(*x.shape[:-1], w.shape[0])
     if torch.compiler.is_compiling():  # a compiled step: the copies `pack_live` listed before the trace
         packed, scales_zeros = copies.live[name + ":int4"]
         group, rows = copies.int4_group, w.shape[0]
     else:
         q = _int4_copy(copies, name, w)
         packed, scales_zeros, group, rows = q.packed, q.scales_zeros, q.group, q.rows
-    m = x.numel() // x.shape[-1]
     a = x.reshape(m, x.shape[-1]).to(KERNEL_DTYPE).contiguous()  # the kernel reads A contiguous
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(a, packed, group, scales_zeros).to(w.dtype)
     if bias is not None:

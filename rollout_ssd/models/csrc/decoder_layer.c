@@ -31,11 +31,23 @@
      starts, num_new [b]: the row's cache length before the step and its real tokens (the rest padding:
              not written, their outputs unused)
      mask    uint8 [b, t, l] (nonzero: visible) or NULL (every query sees keys 0..l-1)
-     packed weights in bf16_rows.c's layout; bias float32 [qkv] or NULL; q_norm, k_norm bf16 [D] or NULL.
+     packed weights in bf16_rows.c's layout, or (an int4 draft's, `scales` given: their four scale arrays)
+             int4_rows.c's codes; bias float32 [qkv] or NULL; q_norm, k_norm bf16 [D] or NULL.
    Returns 0, or -1 where scratch memory could not be allocated (x and the cache then incomplete). */
 
 #include "bf16_rows.c"
 #include "few_attention.c"
+#include "int4_rows.c"
+
+/* One linear: over int4 codes where the weight has scales (an int4 draft's, int4_rows.c), else bf16. */
+static int linear_any(const uint16_t *x, long m, long k, const void *w, const uint16_t *scales, long n,
+                      const float *bias, uint16_t *out, int threads) {
+#if defined(__AVX512BF16__)
+    if (scales) return int4_rows_linear(x, m, k, (const uint8_t *)w, scales, n, bias, out, threads);
+#endif
+    if (scales) return -2;  /* no int4 kernel in this build: the caller never passes scales to it */
+    return ROWS_LINEAR(x, m, k, (const uint16_t *)w, n, bias, out, threads);
+}
 
 static inline uint16_t bmul(uint16_t a, uint16_t b) { return f32_to_bf16(bf16_to_f32(a) * bf16_to_f32(b)); }
 
@@ -89,8 +101,8 @@ static inline void add_rows(uint16_t *x, const uint16_t *y, long n) {
 
 int decoder_layer(uint16_t *x, long b, long t, long hidden, long hq, long hkv, long d, long inter,
                   const uint16_t *norm_in, const uint16_t *norm_post, const uint16_t *q_norm, const uint16_t *k_norm,
-                  const uint16_t *wqkv, const float *bqkv, const uint16_t *wo, const uint16_t *wgu,
-                  const uint16_t *wdown, const uint16_t *cos, const uint16_t *ss, void *kc, void *vc, int kv_f32,
+                  const void *wqkv, const float *bqkv, const void *wo, const void *wgu, const void *wdown,
+                  const uint16_t *const *scales, const uint16_t *cos, const uint16_t *ss, void *kc, void *vc, int kv_f32,
                   const long *cs, const long *starts, const long *num_new, const uint8_t *mask, long l,
                   float eps, float scale, int threads) {
     const long m = b * t, heads = hq + 2 * hkv, nqkv = heads * d, nq = hq * d;
@@ -102,7 +114,7 @@ int decoder_layer(uint16_t *x, long b, long t, long hidden, long hq, long hkv, l
     int failed = 0;
 
     rms_rows(x, m, hidden, hidden, norm_in, eps, h);
-    failed |= ROWS_LINEAR(h, m, hidden, wqkv, nqkv, bqkv, qkv, threads);
+    failed |= linear_any(h, m, hidden, wqkv, scales ? scales[0] : NULL, nqkv, bqkv, qkv, threads);
     for (long r = 0; r < m; r++) {
         uint16_t *row = qkv + r * nqkv;
         if (q_norm) {
@@ -129,11 +141,11 @@ int decoder_layer(uint16_t *x, long b, long t, long hidden, long hq, long hkv, l
         for (long hh = 0; hh < hq; hh++)
             for (long j = 0; j < t; j++)
                 memcpy(q + (i * t + j) * nq + hh * d, att + ((i * hq + hh) * t + j) * d, (size_t)d * sizeof(uint16_t));
-    failed |= ROWS_LINEAR(q, m, nq, wo, hidden, NULL, y, threads);
+    failed |= linear_any(q, m, nq, wo, scales ? scales[1] : NULL, hidden, NULL, y, threads);
     add_rows(x, y, m * hidden);
 
     rms_rows(x, m, hidden, hidden, norm_post, eps, h);
-    failed |= ROWS_LINEAR(h, m, hidden, wgu, 2 * inter, NULL, gu, threads);
+    failed |= linear_any(h, m, hidden, wgu, scales ? scales[2] : NULL, 2 * inter, NULL, gu, threads);
     for (long r = 0; r < m; r++) {
         const uint16_t *g = gu + r * 2 * inter, *u = g + inter;
         uint16_t *a = act + r * inter;
@@ -143,7 +155,7 @@ int decoder_layer(uint16_t *x, long b, long t, long hidden, long hq, long hkv, l
             a[i] = bmul(f32_to_bf16(gv / (1.0f + expf(-gv))), u[i]);
         }
     }
-    failed |= ROWS_LINEAR(act, m, inter, wdown, hidden, NULL, y, threads);
+    failed |= linear_any(act, m, inter, wdown, scales ? scales[3] : NULL, hidden, NULL, y, threads);
     add_rows(x, y, m * hidden);
     free(buf);
     return failed ? -1 : 0;

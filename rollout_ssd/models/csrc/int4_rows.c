@@ -1,0 +1,120 @@
+/* A few rows of bf16 x times an int4 weight (an int4 draft's linears), read at memory speed with avx512_bf16.
+
+   out[m, n] = x[m, k] @ w[n, k].T (+ bias[n]), w = q * s + lo per group of 32 consecutive k of an output
+   row (q in 0..15; s, lo bf16: the group's step and minimum, quant.int4_codes' rounding), accumulated in
+   float32, rounded once to bf16 (round to nearest even).
+
+   Why: a step of a few rows is bound by reading the weights, and int4 codes are a quarter of bf16's bytes
+   (plus a sixteenth for the groups' s and lo). torch's CPU int4 kernel converts each code to float32 and
+   multiplies in float32; here a code becomes a bf16 by bit arithmetic alone: the bf16 whose bits are
+   0x4300 | q is 128 + q exactly, so one dot instruction sums x (128 + q) over a pair of k, and per group
+        sum_k x w = s * sum_k x (128 + q) + (lo - 128 s) * sum_k x,
+   the last sum taken once per row and group.
+
+   Layout (`quant.pack_int4_rows`): tiles of 64 outputs (n padded with zero codes); in a tile, 64 bytes per
+   pair p of k: byte i holds in its low nibble the code of output i / 2 at k = 2p + i % 2, in its high
+   nibble that of output 32 + i / 2. Masking the low nibbles and widening the bytes to 16 bits then gives,
+   per 16 outputs, the 16 dwords (code at 2p, code at 2p + 1) the dot instruction takes. Scales: per tile and
+   group, 64 steps s then 64 minimums lo, bf16 ([tiles, k / 32, 2, 64]).
+
+   Each output's sum runs over k in one order whatever the rows beside it, so a row's result does not
+   depend on its batch or the thread count. */
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#if defined(__AVX512BF16__)
+#define INT4_GROUP 32
+#define INT4_MAX_ROWS 3 /* rows a pass over a tile carries in registers: 8 accumulators a row */
+
+static inline __m512 int4_bf16x16(const uint16_t *p) {  /* 16 bf16 as float32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline __attribute__((always_inline)) void int4_tile(
+    const int rows, const uint16_t *x, long k, const float *xsum, const uint8_t *codes, const uint16_t *scales,
+    long pairs, const float *bias, uint16_t *out, long n_out, long col0) {
+    __m512 acc[INT4_MAX_ROWS][4], part[INT4_MAX_ROWS][4];
+    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi16(0x4300);
+    const long groups = pairs / (INT4_GROUP / 2);
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < 4; t++) acc[r][t] = _mm512_setzero_ps();
+    for (long g = 0; g < groups; g++) {
+        for (int r = 0; r < rows; r++)
+            for (int t = 0; t < 4; t++) part[r][t] = _mm512_setzero_ps();
+        for (long p = g * (INT4_GROUP / 2); p < (g + 1) * (INT4_GROUP / 2); p++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(codes + p * 64));
+            _mm_prefetch((const char *)(codes + p * 64 + 1024), _MM_HINT_T1);
+            const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            __m512i w[4];
+            w[0] = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo)), top);
+            w[1] = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1)), top);
+            w[2] = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi)), top);
+            w[3] = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1)), top);
+            for (int r = 0; r < rows; r++) {
+                const __m512bh xp = (__m512bh)_mm512_set1_epi32(((const int32_t *)(x + r * k))[p]);
+                for (int t = 0; t < 4; t++) part[r][t] = _mm512_dpbf16_ps(part[r][t], xp, (__m512bh)w[t]);
+            }
+        }
+        const uint16_t *sg = scales + g * 128;
+        for (int t = 0; t < 4; t++) {
+            const __m512 s = int4_bf16x16(sg + 16 * t), m = int4_bf16x16(sg + 64 + 16 * t);
+            const __m512 z = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), s, m);  /* lo - 128 s */
+            for (int r = 0; r < rows; r++)
+                acc[r][t] = _mm512_fmadd_ps(s, part[r][t],
+                                            _mm512_fmadd_ps(z, _mm512_set1_ps(xsum[r * groups + g]), acc[r][t]));
+        }
+    }
+    for (int t = 0; t < 4; t++) {
+        long col = col0 + t * 16;
+        if (col >= n_out) break;
+        long left = n_out - col;
+        __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+        __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++)
+            _mm256_mask_storeu_epi16(out + r * n_out + col, mask,
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][t], b)));
+    }
+}
+
+static void int4_tile_rows(int rows, const uint16_t *x, long k, const float *xsum, const uint8_t *codes,
+                           const uint16_t *scales, long pairs, const float *bias, uint16_t *out, long n_out, long col0) {
+    switch (rows) {  /* constant row counts: the accumulators become registers */
+    case 1: int4_tile(1, x, k, xsum, codes, scales, pairs, bias, out, n_out, col0); break;
+    case 2: int4_tile(2, x, k, xsum, codes, scales, pairs, bias, out, n_out, col0); break;
+    default: int4_tile(3, x, k, xsum, codes, scales, pairs, bias, out, n_out, col0); break;
+    }
+}
+
+/* x [m, k] bf16 contiguous (k a multiple of 32), codes and scales as above for n outputs, bias float32 [n]
+   or NULL, out [m, n] bf16. Returns 0, -1 where the rows' group sums could not be allocated, -2 where k
+   is not a multiple of 32. */
+int int4_rows_linear(const uint16_t *x, long m, long k, const uint8_t *codes, const uint16_t *scales, long n,
+                     const float *bias, uint16_t *out, int threads) {
+    if (m <= 0 || n <= 0) return 0;
+    if (k % INT4_GROUP) return -2;
+    const long groups = k / INT4_GROUP, pairs = k / 2, tiles = (n + 63) / 64;
+    float *xsum = (float *)malloc(sizeof(float) * (size_t)(m * groups));
+    if (!xsum) return -1;
+    for (long r = 0; r < m; r++)
+        for (long g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (long i = 0; i < INT4_GROUP; i++) {
+                union { uint32_t u; float f; } c;
+                c.u = (uint32_t)x[r * k + g * INT4_GROUP + i] << 16;
+                s += c.f;
+            }
+            xsum[r * groups + g] = s;
+        }
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (long tile = 0; tile < tiles; tile++)
+        for (long r0 = 0; r0 < m; r0 += INT4_MAX_ROWS) {
+            int rows = (int)(m - r0 < INT4_MAX_ROWS ? m - r0 : INT4_MAX_ROWS);
+            int4_tile_rows(rows, x + r0 * k, k, xsum + r0 * groups, codes + tile * pairs * 64,
+                           scales + tile * groups * 128, pairs, bias, out + r0 * n, n, tile * 64);
+        }
+    free(xsum);
+    return 0;
+}
+#endif
