@@ -109,6 +109,13 @@ class Int4Weight:
         self.rows = w.shape[0]
 
 
+def _rows_kernel(x: torch.Tensor) -> bool:
+    """Whether csrc/int4_rows.c takes a linear of x (its library runs here, whole groups of columns)."""
+    from rollout_ssd.models import layer_kernel  # (imported here: layer_kernel imports this module)
+
+    return layer_kernel.int4_available() and x.shape[-1] % ROWS_GROUP == 0
+
+
 def _int4_copy(copies, name: str, w: torch.Tensor) -> Int4Weight:
     return copies.get(name + ":int4", w, lambda t: Int4Weight(t, copies.int4_group))
 
@@ -116,14 +123,16 @@ def _int4_copy(copies, name: str, w: torch.Tensor) -> Int4Weight:
 def linear(x: torch.Tensor, w: torch.Tensor, copies, name: str, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x @ w.T (+ bias) with w rounded to int4 (`copies.int4_group` columns per group), over the int4
     copy `copies` keeps for `name`: csrc/int4_rows.c's (groups of 32, up to 32 rows, where the layer
-    kernel's library runs: avx512_bf16), else torch's int4 kernel's."""
+    kernel's library runs: avx512_bf16; past 32 rows, a prefill, the weight's own bf16 product there, as
+    fast as the target's and no int4 kernel is), else torch's int4 kernel's."""
     m = x.numel() // x.shape[-1]
-    if not torch.compiler.is_compiling() and copies.int4_group == ROWS_GROUP and m <= ROWS_KERNEL_MAX_ROWS:
+    if not torch.compiler.is_compiling() and copies.int4_group == ROWS_GROUP and _rows_kernel(x):
+        if m > ROWS_KERNEL_MAX_ROWS:  # a prefill: compute-bound, where the weights' own bf16 GEMM is the fast form
+            return torch.nn.functional.linear(x, w, bias)
         from rollout_ssd.models import layer_kernel  # (imported here: layer_kernel imports this module)
 
-        if layer_kernel.int4_available() and x.shape[-1] % ROWS_GROUP == 0:  # int4_rows.c, the layer kernel's
-            out = layer_kernel.int4_linear(x.reshape(m, x.shape[-1]), *rows_copy(copies, name, w), w.shape[0], bias)
-            return out.to(w.dtype).view(*x.shape[:-1], w.shape[0])
+        out = layer_kernel.int4_linear(x.reshape(m, x.shape[-1]), *rows_copy(copies, name, w), w.shape[0], bias)
+        return out.to(w.dtype).view(*x.shape[:-1], w.shape[0])
     if torch.compiler.is_compiling():  # a compiled step: the copies `pack_live` listed before the trace
         packed, scales_zeros = copies.live[name + ":int4"]
         group, rows = copies.int4_group, w.shape[0]
@@ -139,7 +148,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, copies, name: str, bias: Optional[t
 
 def pack_live(model) -> None:
     """List an int4 model's copies (made again where a weight was written since) where a compiled step
-    reads them (`WeightCopies.live`); a no-op for other models (cpu_backend.pack_live calls it for one)."""
+    reads them (`WeightCopies.live`), and make the eager steps' int4_rows.c copies where that kernel runs;
+    a no-op for other models (cpu_backend.pack_live calls it for one)."""
     if getattr(model, "int4_group", None) is None:
         return
     from rollout_ssd.models.cpu_backend import linear_weights  # (cpu_backend imports this module)
@@ -147,6 +157,8 @@ def pack_live(model) -> None:
     for w, _, copies, name in linear_weights(model):
         q = _int4_copy(copies, name, w)
         copies.live[name + ":int4"] = (q.packed, q.scales_zeros)
+        if copies.int4_group == ROWS_GROUP and w.shape[1] % ROWS_GROUP == 0 and _rows_kernel(w):
+            rows_copy(copies, name, w)  # the eager steps' copies too, made now rather than in a first round
 
 
 def quantize_int4(model, group: int = DEFAULT_GROUP):
