@@ -12,17 +12,21 @@
    the last sum taken once per row and group.
 
    Layout (`quant.pack_int4_rows`): tiles of 64 outputs (n padded with zero codes); in a tile, 64 bytes per
-   pair p of k: byte i holds in its low nibble the code of output i / 2 at k = 2p + i % 2, in its high
-   nibble that of output 32 + i / 2. Masking the low nibbles and widening the bytes to 16 bits then gives,
-   per 16 outputs, the 16 dwords (code at 2p, code at 2p + 1) the dot instruction takes. Scales: per tile and
-   group, 64 steps s then 64 minimums lo, bf16 ([tiles, k / 32, 2, 64]).
+   pair p of k. Byte b = 16 i + r (i: its 128-bit lane) holds in its low nibble the code at k = 2p + r % 2 of
+   output 4 i + (r % 8) / 2, plus 16 where r >= 8, and in its high nibble the same for the output 32 past
+   that. Masking the nibbles and interleaving each 128-bit lane's bytes with 0x43 (unpacklo / unpackhi)
+   then gives, per 16 outputs, the 16 dwords (code at 2p, code at 2p + 1) the dot instruction takes, in
+   output order. Scales: per tile and group, 64 steps s then 64 minimums lo, bf16 ([tiles, k / 32, 2, 64]).
 
    Each output's sum runs over k in one order whatever the rows beside it, so a row's result does not
-   depend on its batch or the thread count. */
+   depend on its batch or the thread count (the amx build's tile path, for 2+ rows, sums each group's pairs
+   in the same order as the dot instructions and gave the same bits in the tests; the tile unit reads
+   subnormal inputs as zero). */
 
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #if defined(__AVX512BF16__)
 #define INT4_GROUP 32
@@ -36,7 +40,7 @@ static inline __attribute__((always_inline)) void int4_tile(
     const int rows, const uint16_t *x, long k, const float *xsum, const uint8_t *codes, const uint16_t *scales,
     long pairs, const float *bias, uint16_t *out, long n_out, long col0) {
     __m512 acc[INT4_MAX_ROWS][4], part[INT4_MAX_ROWS][4];
-    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi16(0x4300);
+    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x43);
     const long groups = pairs / (INT4_GROUP / 2);
     for (int r = 0; r < rows; r++)
         for (int t = 0; t < 4; t++) acc[r][t] = _mm512_setzero_ps();
@@ -47,11 +51,11 @@ static inline __attribute__((always_inline)) void int4_tile(
             const __m512i v = _mm512_loadu_si512((const void *)(codes + p * 64));
             _mm_prefetch((const char *)(codes + p * 64 + 1024), _MM_HINT_T1);
             const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            __m512i w[4];
-            w[0] = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo)), top);
-            w[1] = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1)), top);
-            w[2] = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi)), top);
-            w[3] = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1)), top);
+            __m512i w[4];  /* each code byte beside 0x43: the bf16 words 0x4300 | q */
+            w[0] = _mm512_unpacklo_epi8(lo, top);
+            w[1] = _mm512_unpackhi_epi8(lo, top);
+            w[2] = _mm512_unpacklo_epi8(hi, top);
+            w[3] = _mm512_unpackhi_epi8(hi, top);
             for (int r = 0; r < rows; r++) {
                 const __m512bh xp = (__m512bh)_mm512_set1_epi32(((const int32_t *)(x + r * k))[p]);
                 for (int t = 0; t < 4; t++) part[r][t] = _mm512_dpbf16_ps(part[r][t], xp, (__m512bh)w[t]);
@@ -87,9 +91,75 @@ static void int4_tile_rows(int rows, const uint16_t *x, long k, const float *xsu
     }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* 2 to 16 rows on AMX's tile unit (the amx build, bf16_rows.c's tile configuration: C tiles 0-3, A 4, B 5-7):
+   a group's 16 code lines widened once into four B tiles (bf16 0x4300 | q, 16 pairs x 16 outputs each), one
+   tile multiply per 16 outputs for every row, the group's step and minimum applied to the C tiles' sums
+   in float32, so the cost of a group no longer grows with the rows as the dot instructions' did. */
+static void int4_amx_tile(int rows, const uint16_t *x, long k, const float *xsum, const uint8_t *codes,
+                          const uint16_t *scales, long pairs, const float *bias, uint16_t *out, long n_out, long col0) {
+    __attribute__((aligned(64))) uint16_t b[4 * 16 * 32];
+    __attribute__((aligned(64))) float c[16 * 64], acc[16 * 64];
+    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x43);
+    const long groups = pairs / (INT4_GROUP / 2);
+    memset(acc, 0, sizeof(float) * (size_t)rows * 64);
+    for (long g = 0; g < groups; g++) {
+        for (int p = 0; p < INT4_GROUP / 2; p++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(codes + (g * (INT4_GROUP / 2) + p) * 64));
+            _mm_prefetch((const char *)(codes + (g * (INT4_GROUP / 2) + p) * 64 + 1024), _MM_HINT_T1);
+            const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            _mm512_store_si512((void *)(b + 0 * 512 + p * 32), _mm512_unpacklo_epi8(lo, top));
+            _mm512_store_si512((void *)(b + 1 * 512 + p * 32), _mm512_unpackhi_epi8(lo, top));
+            _mm512_store_si512((void *)(b + 2 * 512 + p * 32), _mm512_unpacklo_epi8(hi, top));
+            _mm512_store_si512((void *)(b + 3 * 512 + p * 32), _mm512_unpackhi_epi8(hi, top));
+        }
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_loadd(4, x + g * INT4_GROUP, k * 2);
+        _tile_loadd(5, b, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, b + 512, 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, b + 1024, 64);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, b + 1536, 64);
+        _tile_dpbf16ps(3, 4, 5);
+        _tile_stored(0, c, 256);
+        _tile_stored(1, c + 16, 256);
+        _tile_stored(2, c + 32, 256);
+        _tile_stored(3, c + 48, 256);
+        const uint16_t *sg = scales + g * 128;
+        for (int t = 0; t < 4; t++) {
+            const __m512 s = int4_bf16x16(sg + 16 * t), m = int4_bf16x16(sg + 64 + 16 * t);
+            const __m512 z = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), s, m);  /* lo - 128 s */
+            for (int r = 0; r < rows; r++) {
+                float *a = acc + r * 64 + t * 16;
+                __m512 v = _mm512_fmadd_ps(z, _mm512_set1_ps(xsum[r * groups + g]), _mm512_load_ps(a));
+                _mm512_store_ps(a, _mm512_fmadd_ps(s, _mm512_load_ps(c + r * 64 + t * 16), v));
+            }
+        }
+    }
+    for (int t = 0; t < 4; t++) {
+        long col = col0 + t * 16;
+        if (col >= n_out) break;
+        long left = n_out - col;
+        __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+        __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++)
+            _mm256_mask_storeu_epi16(out + r * n_out + col, mask,
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(acc + r * 64 + t * 16), bv)));
+    }
+}
+#define INT4_AMX 1
+#else
+#define INT4_AMX 0
+#endif
+
 /* x [m, k] bf16 contiguous (k a multiple of 32), codes and scales as above for n outputs, bias float32 [n]
    or NULL, out [m, n] bf16. Returns 0, -1 where the rows' group sums could not be allocated, -2 where k
-   is not a multiple of 32. */
+   is not a multiple of 32. In the amx build 2+ rows take the tile unit, 16 at a time. */
 int int4_rows_linear(const uint16_t *x, long m, long k, const uint8_t *codes, const uint16_t *scales, long n,
                      const float *bias, uint16_t *out, int threads) {
     if (m <= 0 || n <= 0) return 0;
@@ -107,6 +177,22 @@ int int4_rows_linear(const uint16_t *x, long m, long k, const uint8_t *codes, co
             }
             xsum[r * groups + g] = s;
         }
+#if INT4_AMX
+    if (m >= 2 && bf16_rows_amx_ready()) {
+#pragma omp parallel num_threads(threads) if (threads > 1)
+        for (long r0 = 0; r0 < m; r0 += 16) {  /* every thread configures its tiles for the chunk's rows */
+            const int rows = (int)(m - r0 < 16 ? m - r0 : 16);
+            amx_configure(rows);
+#pragma omp for schedule(static)
+            for (long tile = 0; tile < tiles; tile++)
+                int4_amx_tile(rows, x + r0 * k, k, xsum + r0 * groups, codes + tile * pairs * 64,
+                              scales + tile * groups * 128, pairs, bias, out + r0 * n, n, tile * 64);
+            if (r0 + 16 >= m) _tile_release();
+        }
+        free(xsum);
+        return 0;
+    }
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (long tile = 0; tile < tiles; tile++)
         for (long r0 = 0; r0 < m; r0 += INT4_MAX_ROWS) {
