@@ -66,9 +66,7 @@ def test_as_accurate_as_the_module_layers_against_float32(pair, build, monkeypat
     if build != "native":
         other = layer_kernel.load(build)
         monkeypatch.setattr(layer_kernel, "_kernel", lambda: other)
-    calls = []
-    for layer in bf16.layers:
-        monkeypatch.setattr(layer, "forward", lambda *a, _f=layer.forward: calls.append(1) or _f(*a))
+    calls = module_calls(bf16, monkeypatch)
     ref, _ = run(f32, False, monkeypatch)
     eager, _ = run(bf16, False, monkeypatch)
     eager_calls = len(calls)
@@ -84,9 +82,19 @@ def test_as_accurate_as_the_module_layers_against_float32(pair, build, monkeypat
         assert (k - e).abs().max() <= 0.25 * e_err.max(), (s, float((k - e).abs().max()), float(e_err.max()))
 
 
+def module_calls(model, monkeypatch) -> list:
+    """A list that grows by one at each module layer's forward of `model` (the kernel's forwards add none)."""
+    calls = []
+    for layer in model.layers:
+        monkeypatch.setattr(layer, "forward", lambda *a, _f=layer.forward: calls.append(1) or _f(*a))
+    return calls
+
+
 def test_a_rows_results_do_not_depend_on_its_batch_or_the_thread_count(pair, monkeypatch):
-    """Row 0 alone, beside row 1, and at one thread: the same logits and the same cache, bit for bit."""
+    """Row 0 alone, beside row 1, and at one thread: the same logits and the same cache, bit for bit, every
+    forward the kernel's."""
     bf16, _ = pair
+    calls = module_calls(bf16, monkeypatch)
     steps = [(s[0],) for s in STEPS]
     alone, runner_a = run(bf16, True, monkeypatch, rows=(0,), steps=steps)
     beside, runner_b = run(bf16, True, monkeypatch, rows=(0, 1), steps=[(s[0], [60]) for s in STEPS])
@@ -98,12 +106,14 @@ def test_a_rows_results_do_not_depend_on_its_batch_or_the_thread_count(pair, mon
     for a, b, c in zip(runner_a.cache.keys + runner_a.cache.values, runner_b.cache.keys + runner_b.cache.values,
                        runner_c.cache.keys + runner_c.cache.values):
         assert torch.equal(a[0, :, :n], b[0, :, :n]) and torch.equal(a[0, :, :n], c[0, :, :n])
+    assert not calls
 
 
 def test_writes_the_cache_where_the_module_layers_do(pair, monkeypatch):
     """A ragged verify: each row's real tokens land at its next positions (lengths advance by them), the
     padded ones nowhere (the rest of every slot, the scratch slot included, keeps its bits)."""
     bf16, _ = pair
+    calls = module_calls(bf16, monkeypatch)
     monkeypatch.setattr(layer_kernel, "_ON", True)
     runner = ModelRunner(bf16, num_slots=3, max_len=128)
     slots = [runner.allocate() for _ in range(2)]
@@ -121,6 +131,36 @@ def test_writes_the_cache_where_the_module_layers_do(pair, monkeypatch):
         written[slots[1], :, starts[1]:starts[1] + 1] = True
         assert not (changed & ~written).any()
         assert changed[slots[0], :, starts[0]:starts[0] + 3].all() and changed[slots[1], :, starts[1]].all()
+    assert not calls  # the kernel wrote them
+
+
+def test_a_float32_cache_and_more_than_a_tiles_rows(pair, monkeypatch):
+    """A bf16 model over a float32 cache (the avx512 kind's, `attention.cache_dtype`) gets the logits and the
+    cache values a bf16 cache gets, bit for bit; a step of 2 x 9 = 18 tokens (past one AMX tile's 16 rows:
+    equal groups, x padded) gives the module layers' logits within the first test's quarter bound."""
+    from rollout_ssd import runner as runner_module
+
+    bf16, f32 = pair
+    long_steps = [([40 + i for i in range(9)], [60 + i for i in range(9)])]
+    ref, _ = run(f32, False, monkeypatch, steps=long_steps)
+    eager, _ = run(bf16, False, monkeypatch, steps=long_steps)
+    fused, bf16_runner = run(bf16, True, monkeypatch, steps=long_steps)
+    assert (fused[0] - eager[0]).abs().max() <= 0.25 * (eager[0] - ref[0]).abs().max()
+    monkeypatch.setattr(runner_module, "cache_dtype", lambda model: torch.float32)
+    calls = module_calls(bf16, monkeypatch)
+    wide, wide_runner = run(bf16, True, monkeypatch, steps=long_steps)
+    assert wide_runner.cache.keys[0].dtype == torch.float32 and not calls
+    assert torch.equal(wide[0], fused[0])
+    for a, b in zip(bf16_runner.cache.keys + bf16_runner.cache.values, wide_runner.cache.keys + wide_runner.cache.values):
+        assert torch.equal(a.float(), b)
+
+
+@pytest.mark.skipif("amx_bf16" not in cpu_backend.cpu_flags(), reason="no AMX here")
+def test_amx_tiles_run_where_the_cpu_has_them():
+    """On an AMX CPU the rows kernel's amx build loads and the OS lends the tiles (else the amx tests here and in
+    tests/test_bf16_rows.py would pass on the dot code alone), and the rows limit is the amx build's."""
+    assert bf16_rows.loaded_variant() == "amx" and bf16_rows.amx_tiles()
+    assert cpu_backend.rows_kernel_rows() == 32
 
 
 def test_serves_only_the_forwards_it_computes(pair, monkeypatch):
@@ -176,8 +216,24 @@ def test_causal_mask():
     assert layer_kernel.causal_mask([4, 3], [1, 1], 1, 5) is not None
 
 
-def test_max_rows_is_the_cpu_backends_unless_measured_for_the_kind():
-    assert layer_kernel.max_rows() == layer_kernel.MAX_ROWS.get(cpu_backend.cpu_kind(), cpu_backend.rows_kernel_rows())
+def test_a_long_prefill_is_not_the_kernels_even_where_the_rows_kernel_takes_every_row_count(pair, monkeypatch):
+    """On the avx512 kind the rows kernel serves every row count; the layer kernel still stops at LIMIT
+    tokens (a prefill's attention is SDPA's, and few_attention.c's scratch grows with queries x keys)."""
+    bf16, _ = pair
+    from rollout_ssd.models.decoder import ForwardBatch
+
+    class Cache:
+        keys = values = [torch.zeros(2, 2, 4096, bf16.cfg.head_dim, dtype=torch.bfloat16)] * len(bf16.layers)
+
+    monkeypatch.setattr(cpu_backend, "_ROWS_KERNEL_ROWS", 1 << 30)
+    monkeypatch.setattr(layer_kernel, "_ON", True)
+    assert layer_kernel.max_rows() == layer_kernel.LIMIT
+
+    def batch(t):
+        return ForwardBatch(torch.zeros(1, t, dtype=torch.long), torch.zeros(1, t, dtype=torch.long), [t], [0], [0])
+    assert layer_kernel.serves(bf16, batch(layer_kernel.LIMIT), Cache, True)
+    assert not layer_kernel.serves(bf16, batch(layer_kernel.LIMIT + 1), Cache, True)
+    assert not layer_kernel.serves(bf16, batch(4000), Cache, True)
 
 
 @pytest.fixture(scope="module")
@@ -199,13 +255,11 @@ def test_an_int4_draft_runs_through_the_kernel_as_its_module_layers_do(int4_pair
     draft's own error against its bf16 target of the module layers' logits, at every step; the kernel
     served every step (no module layer ran)."""
     target, draft = int4_pair
-    calls = []
-    for layer in draft.layers:
-        monkeypatch.setattr(layer, "forward", lambda *a, _f=layer.forward: calls.append(1) or _f(*a))
+    calls = module_calls(draft, monkeypatch)
     ref, _ = run(target, True, monkeypatch)
     modules, _ = run(draft, False, monkeypatch)
-    module_calls = len(calls)
+    before = len(calls)
     fused, _ = run(draft, True, monkeypatch)
-    assert module_calls > 0 and len(calls) == module_calls
+    assert before > 0 and len(calls) == before
     for s, (r, e, k) in enumerate(zip(ref, modules, fused)):
         assert (k - e).abs().max() <= 0.25 * (e - r).abs().max(), s

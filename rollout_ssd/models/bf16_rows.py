@@ -152,12 +152,31 @@ def _kernel():
             log.warning("bf16 rows kernel (%s) not built or not loaded (%s); %s", kind, detail, then)
             continue
         _LOADED[:] = [kind]
+        if variant() == "amx" and not (kind == "amx" and _tiles_granted(kind)):  # the dot code runs on AMX
+            from rollout_ssd.models import cpu_backend  # (imported here: cpu_backend imports this module)
+
+            log.warning("bf16 rows kernel: AMX's tiles are not used here (%s); bf16 linears of %d+ rows stay "
+                        "on oneDNN", "the dot build loaded" if kind != "amx" else "the OS did not lend them",
+                        cpu_backend.DOT_ON_AMX_MAX_ROWS + 1)
+            cpu_backend.limit_rows_kernel(cpu_backend.DOT_ON_AMX_MAX_ROWS)
         _op_library()
         return fn
     return None
 
 
 _LOADED: list = []  # the kind `_kernel` loaded
+
+
+def _tiles_granted(kind: str) -> bool:
+    """Whether the `kind` build's AMX path runs in this process (the OS lent it the tile registers)."""
+    ready = ctypes.CDLL(str(build(kind=kind))).bf16_rows_amx_ready
+    ready.restype = ctypes.c_int
+    return bool(ready())
+
+
+def amx_tiles() -> bool:
+    """Whether bf16 linears run on AMX's tile unit here (the amx build loaded, the tiles lent)."""
+    return loaded_variant() == "amx" and _tiles_granted("amx")
 
 
 @functools.cache

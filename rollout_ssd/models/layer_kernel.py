@@ -41,16 +41,22 @@ SOURCE = Path(__file__).with_name("csrc") / "decoder_layer.c"
 INCLUDED = (bf16_rows.SOURCE, few_attention.SOURCE, SOURCE.with_name("int4_rows.c"))  # in the library's key
 MAX_HEAD_DIM = few_attention.MAX_HEAD_DIM
 
-# The most tokens a step runs through the layer kernel, per CPU kind where measured otherwise, else
-# `cpu_backend.rows_kernel_rows()`, the rows kernel's own limit (bench/layer_kernel.py; bench/RESULTS.md, "One C call
-# a layer").
+# The most tokens a step runs through the layer kernel: the rows kernel's own limit (`cpu_backend.rows_kernel_rows()`),
+# at most LIMIT, past which a step is a prefill (its attention is SDPA's flash kernel's work, and few_attention.c's
+# scratch grows with queries x keys), unless measured otherwise for a CPU kind in MAX_ROWS (bench/layer_kernel.py;
+# bench/RESULTS.md, "One C call a layer").
+LIMIT = 32
 MAX_ROWS: dict = {}
-_MAX_ROWS = MAX_ROWS.get(cpu_backend.cpu_kind(), cpu_backend.rows_kernel_rows())
 
 
 def max_rows() -> int:
     """The most tokens (rows x tokens per row) a step runs through the layer kernel on this CPU."""
-    return _MAX_ROWS
+    if _MAX_ROWS is not None:
+        return _MAX_ROWS
+    return MAX_ROWS.get(cpu_backend.cpu_kind(), min(cpu_backend.rows_kernel_rows(), LIMIT))
+
+
+_MAX_ROWS: Optional[int] = None  # an override (bench/layer_kernel.py forces the kernel past its limit this way)
 
 
 def build(kind: str, compiler: Optional[str] = None) -> Path:
@@ -152,7 +158,7 @@ def serves(model, batch, cache, contiguous: bool) -> bool:
     """Whether `forward_layers` takes this forward (see the module's docstring)."""
     b, t = batch.tokens.shape
     if torch.compiler.is_compiling() or not contiguous or batch.mask is not None or batch.spans is not None \
-            or b * t > _MAX_ROWS or not available() or not _model_fits(model):
+            or b * t > max_rows() or not available() or not few_attention.available() or not _model_fits(model):
         return False
     kc = cache.keys[0]
     return kc.is_cpu and kc.dtype in (torch.bfloat16, torch.float32) and kc.dim() == 4 and kc.stride(3) == 1 \

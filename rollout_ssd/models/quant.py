@@ -139,7 +139,7 @@ def _int4_copy(copies, name: str, w: torch.Tensor) -> Int4Weight:
 def linear(x: torch.Tensor, w: torch.Tensor, copies, name: str, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x @ w.T (+ bias) with w rounded to int4 (`copies.int4_group` columns per group), over the int4
     copy `copies` keeps for `name`: csrc/int4_rows.c's (groups of 32, up to 32 rows, where the layer
-    kernel's library runs: avx512_bf16; past 32 rows, a prefill, the weight's own bf16 product there, as
+    kernel's library runs: avx512_bf16; past 32 rows (a prefill, a large batch's or tree's step) the weight's own bf16 product there, as
     fast as the target's and no int4 kernel is), else torch's int4 kernel's."""
     m = x.numel() // x.shape[-1]
     if not torch.compiler.is_compiling() and copies.int4_group == ROWS_GROUP and _rows_kernel(x):

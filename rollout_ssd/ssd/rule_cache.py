@@ -100,10 +100,13 @@ def _cpu_kernels(model: Decoder) -> Optional[dict]:
     attention takes: attention.SDPA_FEW_QUERIES, the few_attention kernel; the most tokens a step runs
     through the one-call layer kernel, 0 where it does not run: layer_kernel.max_rows()), a float16 model's
     attention form, a float32 model's (the float32 rows kernel's most rows where it runs, 0 where not:
-    cpu_backend.f32_rows_kernel_rows); None for the models they never serve (an int4 draft, a GPU's): such
-    a key neither asks for a kernel (its build) nor changes when one is turned off."""
-    if not model.embed.is_cpu or model.copies.int4_group is not None:
+    cpu_backend.f32_rows_kernel_rows), an int4 draft's (csrc/int4_rows.c or torch's int4 kernel, the layer
+    kernel); None for a GPU's: such a key neither asks for a kernel (its build) nor changes when one is
+    turned off."""
+    if not model.embed.is_cpu:
         return None
+    if model.copies.int4_group is not None:  # an int4 draft: int4_rows.c (and the layer kernel) or torch's kernel
+        return {"int4_rows": layer_kernel.int4_available(), "layer_kernel": layer_kernel.available()}
     if model.dtype == torch.float32:
         return {"f32_rows": f32_rows_kernel_rows()}
     form = {"sdpa_few_queries": attention.SDPA_FEW_QUERIES}  # a 16-bit cache's few-query attention

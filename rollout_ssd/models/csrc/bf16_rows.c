@@ -193,6 +193,13 @@ typedef struct {
     uint8_t rows[16];
 } amx_config_t;
 
+/* GCC's tile intrinsics tell the compiler little about memory: _tile_loadconfig names 8 bytes of the
+   configuration (the stores to the rest could be dropped), _tile_loadd and _tile_stored none at all (a
+   buffer written only for a tile load could be dropped, one read after a tile store read early). So the
+   configuration is loaded with its whole struct as the operand, and AMX_MEMORY() fences the compiler
+   (no instruction) between plain stores and tile loads, and tile stores and plain loads. */
+#define AMX_MEMORY() __asm__ volatile("" ::: "memory")
+
 int bf16_rows_amx_ready(void) {  /* 1 where this process may use the tiles (asked once), else 0 */
     static int state;  /* 0: not asked yet; 1: granted; -1: refused */
     if (state == 0) {
@@ -214,7 +221,7 @@ static void amx_configure(int rows) {  /* tiles 0-3: C (rows x 16 floats); 4: A 
         c.rows[t] = 16;
         c.colsb[t] = 64;
     }
-    _tile_loadconfig(&c);
+    __asm__ volatile("ldtilecfg %0" : : "m"(c) : "memory");
 }
 
 /* the configured rows of x times one 64-output weight tile, the first `keep` rows written to out */
@@ -225,6 +232,7 @@ static void amx_tile(int keep, const uint16_t *x, long k, const uint16_t *w, lon
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
+    AMX_MEMORY();  /* x and the packed weight: written before this call */
     for (long p = 0; p < pairs; p += 16) {
         const uint16_t *line = w + p * TILE * 2;
         for (int i = 0; i < 64; i++)  /* the next chunk's 64 lines (4 KB), into L2 */
@@ -243,6 +251,7 @@ static void amx_tile(int keep, const uint16_t *x, long k, const uint16_t *w, lon
     _tile_stored(1, acc + 16, 256);
     _tile_stored(2, acc + 32, 256);
     _tile_stored(3, acc + 48, 256);
+    AMX_MEMORY();
     for (int t = 0; t < 4; t++) {
         long col = col0 + t * 16;
         if (col >= n_out) break;

@@ -33,7 +33,8 @@
      mask    uint8 [b, t, l] (nonzero: visible) or NULL (every query sees keys 0..l-1)
      packed weights in bf16_rows.c's layout, or (an int4 draft's, `scales` given: their four scale arrays)
              int4_rows.c's codes; bias float32 [qkv] or NULL; q_norm, k_norm bf16 [D] or NULL.
-   Returns 0, or -1 where scratch memory could not be allocated (x and the cache then incomplete). */
+   Returns 0, or -1 where scratch memory could not be allocated (then x may be incomplete; the cache holds
+   no unset values: a failure before the writes returns before them, later ones write computed keys). */
 
 #include "bf16_rows.c"
 #include "few_attention.c"
@@ -114,7 +115,10 @@ int decoder_layer(uint16_t *x, long b, long t, long hidden, long hq, long hkv, l
     int failed = 0;
 
     rms_rows(x, m, hidden, hidden, norm_in, eps, h);
-    failed |= linear_any(h, m, hidden, wqkv, scales ? scales[0] : NULL, nqkv, bqkv, qkv, threads);
+    if (linear_any(h, m, hidden, wqkv, scales ? scales[0] : NULL, nqkv, bqkv, qkv, threads)) {
+        free(buf);  /* nothing written: no unset keys or values reach the cache */
+        return -1;
+    }
     for (long r = 0; r < m; r++) {
         uint16_t *row = qkv + r * nqkv;
         if (q_norm) {

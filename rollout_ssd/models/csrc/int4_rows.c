@@ -113,6 +113,7 @@ static void int4_amx_tile(int rows, const uint16_t *x, long k, const float *xsum
             _mm512_store_si512((void *)(b + 2 * 512 + p * 32), _mm512_unpacklo_epi8(hi, top));
             _mm512_store_si512((void *)(b + 3 * 512 + p * 32), _mm512_unpackhi_epi8(hi, top));
         }
+        AMX_MEMORY();  /* the B tiles' stores above, before the tile loads read them */
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
@@ -130,6 +131,7 @@ static void int4_amx_tile(int rows, const uint16_t *x, long k, const float *xsum
         _tile_stored(1, c + 16, 256);
         _tile_stored(2, c + 32, 256);
         _tile_stored(3, c + 48, 256);
+        AMX_MEMORY();  /* the C tiles' stores, before c is read */
         const uint16_t *sg = scales + g * 128;
         for (int t = 0; t < 4; t++) {
             const __m512 s = int4_bf16x16(sg + 16 * t), m = int4_bf16x16(sg + 64 + 16 * t);
