@@ -139,8 +139,9 @@ def _int4_copy(copies, name: str, w: torch.Tensor) -> Int4Weight:
 def linear(x: torch.Tensor, w: torch.Tensor, copies, name: str, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x @ w.T (+ bias) with w rounded to int4 (`copies.int4_group` columns per group), over the int4
     copy `copies` keeps for `name`: csrc/int4_rows.c's (groups of 32, up to 32 rows, where the layer
-    kernel's library runs: avx512_bf16; past 32 rows (a prefill, a large batch's or tree's step) the weight's own bf16 product there, as
-    fast as the target's and no int4 kernel is), else torch's int4 kernel's."""
+    kernel's library runs: avx512_bf16), else torch's int4 kernel's. Past 32 rows (a prefill, a large
+    batch's or tree's step) where int4_rows.c runs, the weight's own bf16 product: compute-bound there,
+    where no int4 kernel here is faster; a draft's outputs need not be int4's, only the target's exact."""
     m = x.numel() // x.shape[-1]
     if not torch.compiler.is_compiling() and copies.int4_group == ROWS_GROUP and _rows_kernel(x):
         if m > ROWS_KERNEL_MAX_ROWS:  # a prefill: compute-bound, where the weights' own bf16 GEMM is the fast form
