@@ -157,14 +157,15 @@ def _kernel():
 
             log.warning("bf16 rows kernel: AMX's tiles are not used here (%s); bf16 linears of %d+ rows stay "
                         "on oneDNN", "the dot build loaded" if kind != "amx" else "the OS did not lend them",
-                        cpu_backend.DOT_ON_AMX_MAX_ROWS + 1)
-            cpu_backend.limit_rows_kernel(cpu_backend.DOT_ON_AMX_MAX_ROWS)
+                        DOT_ON_AMX_MAX_ROWS + 1)
+            cpu_backend._ROWS_KERNEL_ROWS = min(cpu_backend._ROWS_KERNEL_ROWS, DOT_ON_AMX_MAX_ROWS)
         _op_library()
         return fn
     return None
 
 
 _LOADED: list = []  # the kind `_kernel` loaded
+DOT_ON_AMX_MAX_ROWS = 2  # the dot build's code on AMX loses to oneDNN from 3 rows (bench/RESULTS.md, "A fifth CPU kind")
 
 
 def _tiles_granted(kind: str) -> bool:

@@ -197,25 +197,16 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, None)
 
 
-# bf16 linears of 1..N rows run bf16_rows.py's kernel on AVX-512, oneDNN's packed linear above: every row count without
-# bf16 units (oneDNN emulates bf16, 3x slower), 32 elsewhere (on AMX the kernel's amx build: 1.1-1.2x oneDNN's speed up
-# to 32 rows, slower from 48; its dot build's code alone lost to oneDNN from 3 rows there: DOT_ON_AMX_MAX_ROWS, set by
-# bf16_rows.py when the tiles do not run). (RESULTS.md: "bf16 kernel for a
-# few rows", "A fifth CPU kind", "bf16 without bf16 units", "One C call a layer".)
+# bf16 linears of 1..N rows run bf16_rows.py's kernel on AVX-512, oneDNN's packed linear above: N = every row count
+# without bf16 units (oneDNN emulates bf16, 3x slower), else 32 (AMX's amx build: 1.1-1.2x oneDNN's speed; lowered by
+# bf16_rows.DOT_ON_AMX_MAX_ROWS where AMX runs the dot code). (RESULTS.md: "bf16 kernel for a few rows", "One C call a layer".)
 ROWS_KERNEL_MAX_ROWS = {"avx512": 1 << 30}
-DOT_ON_AMX_MAX_ROWS = 2  # where an AMX CPU runs the dot build's code (no AMX intrinsics, tiles not lent)
 _ROWS_KERNEL_ROWS = ROWS_KERNEL_MAX_ROWS.get(cpu_kind(), 32)  # read once: compiled steps trace the plain read
 
 
 def rows_kernel_rows() -> int:
     """The most rows a bf16 linear runs on the rows kernel on this CPU (where the kernel runs)."""
     return _ROWS_KERNEL_ROWS
-
-
-def limit_rows_kernel(rows: int) -> None:
-    """Lower `rows_kernel_rows()` (bf16_rows.py, when the kernel it loads is slower than measured for the kind)."""
-    global _ROWS_KERNEL_ROWS
-    _ROWS_KERNEL_ROWS = min(_ROWS_KERNEL_ROWS, rows)
 
 
 def _rows_kernel_serves(w: torch.Tensor) -> bool:
