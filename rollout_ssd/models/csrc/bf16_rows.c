@@ -43,6 +43,34 @@
  * lines ahead into L2 matched it (bench/RESULTS.md, "bf16 kernel for a few rows"). */
 #define PREFETCH_LINES 64
 
+/* rows x 64 float32 sums (row r at sums + 64 r) of the tile of outputs from col0, plus the bias, rounded
+ * once to bf16 (round to nearest even, as torch's float -> bf16 cast) into out [rows, n_out]; columns past
+ * n_out are dropped. Every build's and every path's output goes through here. */
+static inline void store_tile(const float *sums, int rows, const float *bias, uint16_t *out, long n_out, long col0)
+{
+    for (int t = 0; t < 4; t++) {
+        long col = col0 + t * 16;
+        if (col >= n_out) break;
+        long left = n_out - col;
+        __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+        __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++) {
+            __m512 v = _mm512_add_ps(_mm512_loadu_ps(sums + r * TILE + t * 16), b);
+#if defined(__AVX512BF16__)
+            __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+#else  /* round to nearest even by integer arithmetic, as torch's float -> bf16 cast (subnormals kept, NaN kept a quiet NaN) */
+            __m512i bits = _mm512_castps_si512(v);
+            __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+            __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+            __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+            __m256i h = _mm512_cvtepi32_epi16(rounded);
+#endif
+            _mm256_mask_storeu_epi16(out + r * n_out + col, mask, h);
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void tile_group(
     const int rows, const void *x, long x_pairs, const __m512i *w, long pairs,
     const float *bias, uint16_t *out, long n_out, long col0)
@@ -80,29 +108,12 @@ static inline __attribute__((always_inline)) void tile_group(
         }
 #endif
     }
-#pragma GCC unroll 4
-    for (int t = 0; t < 4; t++) {
-        long col = col0 + t * 16;
-        if (col >= n_out) break;
-        long left = n_out - col;
-        __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-        __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+    float sums[MAX_GROUP * TILE];
 #pragma GCC unroll 8
-        for (int r = 0; r < rows; r++) {
-            __m512 v = _mm512_add_ps(acc[r][t], b);
-#if defined(__AVX512BF16__)
-            __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-#else  /* round to nearest even by integer arithmetic, as torch's float -> bf16 cast (subnormals kept, NaN kept a quiet NaN) */
-            __m512i bits = _mm512_castps_si512(v);
-            __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-            __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-            __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-            rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-            __m256i h = _mm512_cvtepi32_epi16(rounded);
-#endif
-            _mm256_mask_storeu_epi16(out + r * n_out + col, mask, h);
-        }
-    }
+    for (int r = 0; r < rows; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; t++) _mm512_storeu_ps(sums + r * TILE + t * 16, acc[r][t]);
+    store_tile(sums, rows, bias, out, n_out, col0);
 }
 
 static void tile_rows(int rows, const void *x, long x_pairs, const __m512i *w, long pairs,
@@ -252,17 +263,7 @@ static void amx_tile(int keep, const uint16_t *x, long k, const uint16_t *w, lon
     _tile_stored(2, acc + 32, 256);
     _tile_stored(3, acc + 48, 256);
     AMX_MEMORY();
-    for (int t = 0; t < 4; t++) {
-        long col = col0 + t * 16;
-        if (col >= n_out) break;
-        long left = n_out - col;
-        __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-        __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
-        for (int r = 0; r < keep; r++) {
-            __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc + r * 64 + t * 16), b));
-            _mm256_mask_storeu_epi16(out + r * n_out + col, mask, h);
-        }
-    }
+    store_tile(acc, keep, bias, out, n_out, col0);
 }
 
 /* bf16_rows_linear's contract on the tile unit where k is a multiple of 32 and the process has the tiles

@@ -21,7 +21,8 @@
    Each output's sum runs over k in one order whatever the rows beside it, so a row's result does not
    depend on its batch or the thread count (the amx build's tile path, for 2+ rows, sums each group's pairs
    in the same order as the dot instructions and gave the same bits in the tests; the tile unit reads
-   subnormal inputs as zero). */
+   subnormal inputs as zero). Included after bf16_rows.c (decoder_layer.c), whose store_tile and AMX
+   tile configuration it uses. */
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -70,16 +71,10 @@ static inline __attribute__((always_inline)) void int4_tile(
                                             _mm512_fmadd_ps(z, _mm512_set1_ps(xsum[r * groups + g]), acc[r][t]));
         }
     }
-    for (int t = 0; t < 4; t++) {
-        long col = col0 + t * 16;
-        if (col >= n_out) break;
-        long left = n_out - col;
-        __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-        __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
-        for (int r = 0; r < rows; r++)
-            _mm256_mask_storeu_epi16(out + r * n_out + col, mask,
-                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][t], b)));
-    }
+    float sums[INT4_MAX_ROWS * 64];
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < 4; t++) _mm512_storeu_ps(sums + r * 64 + t * 16, acc[r][t]);
+    store_tile(sums, rows, bias, out, n_out, col0);
 }
 
 static void int4_tile_rows(int rows, const uint16_t *x, long k, const float *xsum, const uint8_t *codes,
@@ -143,16 +138,7 @@ static void int4_amx_tile(int rows, const uint16_t *x, long k, const float *xsum
             }
         }
     }
-    for (int t = 0; t < 4; t++) {
-        long col = col0 + t * 16;
-        if (col >= n_out) break;
-        long left = n_out - col;
-        __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-        __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
-        for (int r = 0; r < rows; r++)
-            _mm256_mask_storeu_epi16(out + r * n_out + col, mask,
-                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(acc + r * 64 + t * 16), bv)));
-    }
+    store_tile(acc, rows, bias, out, n_out, col0);
 }
 #define INT4_AMX 1
 #else
