@@ -44,7 +44,6 @@ import ctypes
 import functools
 import logging
 import os
-import subprocess
 from pathlib import Path
 from typing import Optional
 
@@ -142,14 +141,9 @@ def _kernel():
     """The loaded C function, or None where the kernel cannot run here (logged once)."""
     kinds = {"amx": ["amx", "dot"]}.get(variant(), [variant()])
     for kind in kinds:
-        if kind is None:
-            return None
-        try:
-            fn = load(kind)
-        except (OSError, AttributeError, subprocess.CalledProcessError) as exc:
-            detail = getattr(exc, "stderr", "") or exc
-            then = "the dot build next" if kind != kinds[-1] else "bf16 linears keep oneDNN's kernels"
-            log.warning("bf16 rows kernel (%s) not built or not loaded (%s); %s", kind, detail, then)
+        then = "the dot build next" if kind != kinds[-1] else "bf16 linears keep oneDNN's kernels"
+        fn = kernel_build.load_or_none("bf16 rows kernel", load, kind, then)
+        if fn is None:
             continue
         _LOADED[:] = [kind]
         if variant() == "amx" and not (kind == "amx" and _tiles_granted(kind)):  # the dot code runs on AMX

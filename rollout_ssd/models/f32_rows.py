@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
-import subprocess
 from pathlib import Path
 from typing import Optional
 
@@ -34,8 +32,6 @@ import torch
 import torch.nn.functional as F
 
 from rollout_ssd.models import kernel_build
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "f32_rows.c"
 ISA_FLAGS = {"avx512": ("-mavx512f", "-mfma"), "avx2": ("-mavx2", "-mfma")}
@@ -75,15 +71,8 @@ def load(kind: str):
 def _kernel():
     """(the loaded C function, its tile), or None where the kernel cannot run here (logged once)."""
     kind = isa()
-    if kind is None:
-        return None
-    try:
-        fn = load(kind)
-    except (OSError, AttributeError, subprocess.CalledProcessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
-        log.warning("float32 rows kernel not built or not loaded (%s); float32 linears keep MKL", detail)
-        return None
-    return fn, TILES[kind]
+    fn = kernel_build.load_or_none("float32 rows kernel", load, kind, "float32 linears keep MKL")
+    return None if fn is None else (fn, TILES[kind])
 
 
 _ON = os.environ.get("ROLLOUT_SSD_F32_ROWS", "1") != "0"

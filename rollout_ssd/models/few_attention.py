@@ -20,17 +20,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
-import subprocess
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from rollout_ssd.models import f32_rows, kernel_build
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "few_attention.c"
 ISA_FLAGS = {"avx512": ("-mavx512f", "-mfma"), "avx2": ("-mavx2", "-mfma")}  # (its intrinsics: AVX-512F only)
@@ -56,14 +52,8 @@ def load(kind: str):
 @functools.cache
 def _kernel():
     """The loaded C function, or None where it cannot run here (logged once)."""
-    kind = f32_rows.isa()  # the same vector extensions as the float32 rows kernel
-    if kind is None:
-        return None
-    try:
-        return load(kind)
-    except (OSError, AttributeError, subprocess.CalledProcessError) as exc:
-        log.warning("few-query attention kernel not built or not loaded (%s)", getattr(exc, "stderr", "") or exc)
-        return None
+    return kernel_build.load_or_none("few-query attention kernel", load, f32_rows.isa(),  # f32_rows' extensions
+                                     "attention keeps PyTorch's forms")
 
 
 _ON = os.environ.get("ROLLOUT_SSD_FEW_ATTENTION", "1") != "0"

@@ -12,12 +12,15 @@ never sees half a library. Used by bf16_rows.py, f32_rows.py, few_attention.py a
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Optional, Sequence
+
+log = logging.getLogger(__name__)
 
 
 def cache_dirs() -> list[Path]:
@@ -94,3 +97,15 @@ def check_operands(kernel: str, x, packed, n: int, bias) -> None:
         raise ValueError(f"{kernel}.linear: bias must be on the CPU, got {bias.device}")
     if n < 0:
         raise ValueError(f"{kernel}.linear: n must be >= 0, got {n}")
+
+
+def load_or_none(what: str, load: Callable, kind: Optional[str], instead: str):
+    """load(kind), or None where `kind` is None or the build or the load fails: then one warning names the
+    kernel, the compiler's message and what runs instead (each module caches its own result)."""
+    if kind is None:
+        return None
+    try:
+        return load(kind)
+    except (OSError, AttributeError, subprocess.CalledProcessError) as exc:
+        log.warning("%s (%s) not built or not loaded (%s); %s", what, kind, getattr(exc, "stderr", "") or exc, instead)
+        return None

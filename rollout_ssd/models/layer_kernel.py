@@ -25,17 +25,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
-import subprocess
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from rollout_ssd.models import bf16_rows, cpu_backend, few_attention, kernel_build, quant
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "decoder_layer.c"
 INCLUDED = (bf16_rows.SOURCE, few_attention.SOURCE, SOURCE.with_name("int4_rows.c"))  # in the library's key
@@ -84,14 +80,8 @@ def load(kind: str):
 @functools.cache
 def _kernel():
     """The loaded C function, or None where it cannot run here (logged once)."""
-    kind = bf16_rows.loaded_variant()  # the rows kernel's build: its code is this library's linears
-    if kind is None:
-        return None
-    try:
-        return load(kind)
-    except (OSError, AttributeError, subprocess.CalledProcessError) as exc:
-        log.warning("decoder layer kernel not built or not loaded (%s)", getattr(exc, "stderr", "") or exc)
-        return None
+    return kernel_build.load_or_none("decoder layer kernel", load, bf16_rows.loaded_variant(),  # the rows kernel's
+                                     "the layers run as modules")
 
 
 _ON = os.environ.get("ROLLOUT_SSD_LAYER_KERNEL", "1") != "0"
