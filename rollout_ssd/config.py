@@ -117,9 +117,10 @@ class EngineConfig:
     (correct, and slower than the default path: for tests).
     compile: (CPU target) decode and verify steps of the target and of SD's draft run as static-shape
     steps compiled by inductor (rollout_ssd/gpu/graphs.py, `StaticStep.compile`; verify rows padded to
-    k + 1 tokens so that one shape per batch bucket serves every verify). False: not compiled; "frozen"
-    (or True): the weights folded into the graphs, the fastest steps, for fixed weights (offline
-    generation, evaluation, serving): a write to a model's weights (an update) turns its steps into live
+    k + 1 tokens so that one shape per batch bucket serves every verify). False: not compiled (where the
+    one-call layer kernel runs, bf16 on AVX-512, the eager steps are the faster: models/layer_kernel.py);
+    "frozen" (or True): the weights folded into the graphs, the fastest compiled steps, for fixed weights
+    (offline generation, evaluation, serving): a write to a model's weights (an update) turns its steps into live
     ones, compiled anew; "live": the weights stay the graphs' inputs, so the steps follow every update
     with no recompile (RL at small, latency-bound batches). Each shape compiles on first use, which
     takes a minute or more on a small CPU. A compile that fails leaves the forwards eager. On CUDA use
