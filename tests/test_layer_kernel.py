@@ -263,3 +263,25 @@ def test_an_int4_draft_runs_through_the_kernel_as_its_module_layers_do(int4_pair
     assert before > 0 and len(calls) == before
     for s, (r, e, k) in enumerate(zip(ref, modules, fused)):
         assert (k - e).abs().max() <= 0.25 * (e - r).abs().max(), s
+
+
+def test_a_weight_written_after_a_step_is_the_next_steps(pair, monkeypatch):
+    """The kernel keeps its per-layer arguments between steps (`_layer_args`): a weight written in place
+    (an RL update) or replaced must be read by the next step, as the module layers read it."""
+    bf16, _ = pair
+    layer = bf16.layers[1]
+    saved = (layer.w_down.detach().clone(), layer.input_norm.detach().clone())
+    try:
+        before, _ = run(bf16, True, monkeypatch)
+        with torch.no_grad():
+            layer.w_down.mul_(-1.5)  # in place: its version moves, its address does not
+            layer.input_norm.add_(0.25)
+        after, _ = run(bf16, True, monkeypatch)
+        modules, _ = run(bf16, False, monkeypatch)
+        for b_, a, m in zip(before, after, modules):  # stale weights would leave `after` near `before`
+            moved = (b_ - m).abs().max()
+            assert moved > 0 and (a - m).abs().max() <= 0.05 * moved  # (bitwise equal on the CPU it was written on)
+    finally:
+        with torch.no_grad():
+            layer.w_down.copy_(saved[0])
+            layer.input_norm.copy_(saved[1])

@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import weakref
 from pathlib import Path
 from typing import Optional
 
@@ -166,6 +167,47 @@ def causal_mask(starts: list[int], num_new: list[int], t: int, length: int) -> O
     return (torch.arange(length)[None, None, :] <= (torch.tensor(starts)[:, None] + last)[:, :, None]).to(torch.uint8)
 
 
+def _tensors(layer) -> list[torch.Tensor]:
+    """The tensors of a layer the kernel reads, directly or through copies made from them."""
+    return [t for t in (layer.input_norm, layer.post_attn_norm, layer.q_norm, layer.k_norm, layer.wqkv, layer.bqkv,
+                        layer.wo, layer.w_gate_up, layer.w_down) if t is not None]
+
+
+# model -> (key, per-layer arguments, what they point into): `_layer_args`' cache
+_ARGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _layer_args(model) -> list[tuple]:
+    """Per layer, the kernel's arguments only a weight write changes: the norms' and the packed copies'
+    addresses (the int4 codes' and their scales' for an int4 draft), the bias's float32 copy. Made again
+    when any of the layers' tensors is written (its version) or replaced (its identity; the tensors are
+    held, so an identity is not reused meanwhile): per step the check costs a list of versions, less than
+    fetching every copy and address again did (bench/RESULTS.md, "One C call a layer")."""
+    tensors = [t for layer in model.layers for t in _tensors(layer)]
+    key = [(id(t), t._version) for t in tensors]
+    hit = _ARGS.get(model)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    args, held = [], list(tensors)
+    names = ("wqkv", "wo", "w_gate_up", "w_down")
+    for layer in model.layers:
+        copies, scales = layer.row_major, None
+        if copies.int4_group is None:
+            packed = [copies.get(name + ":rows", getattr(layer, name), bf16_rows.pack) for name in names]
+        else:  # an int4 draft: codes and their scales
+            packed, sc = zip(*(quant.rows_copy(copies, name, getattr(layer, name)) for name in names))
+            scales = (ctypes.c_void_p * 4)(*(t.data_ptr() for t in sc))
+            held += sc
+        bias = None if layer.bqkv is None else copies.get("bqkv:float32", layer.bqkv,
+                                                          lambda w: w.detach().float().contiguous())
+        held += [*packed, bias, scales]
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        args.append((ptr(layer.input_norm), ptr(layer.post_attn_norm), ptr(layer.q_norm), ptr(layer.k_norm),
+                     ptr(packed[0]), ptr(bias), ptr(packed[1]), ptr(packed[2]), ptr(packed[3]), scales))
+    _ARGS[model] = (key, args, held)
+    return args
+
+
 def forward_layers(model, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, batch, cache,
                    length: int) -> torch.Tensor:
     """The model's layers over x [B, T, H] (bf16, updated in place and returned) for a forward `serves`
@@ -176,31 +218,15 @@ def forward_layers(model, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.
     x = x.contiguous()
     cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
     mask = causal_mask(batch.starts, batch.num_new, t, length)
-    starts = (ctypes.c_long * b)(*batch.starts)
-    num_new = (ctypes.c_long * b)(*batch.num_new)
-    strides = (ctypes.c_long * 3)(*cache.keys[0].stride()[:3])
-    kv_f32 = int(cache.keys[0].dtype == torch.float32)
-    first = batch.slots[0]
-    fn, threads = _kernel(), torch.get_num_threads()
-    for i, layer in enumerate(model.layers):
-        copies = layer.row_major
-        names = ("wqkv", "wo", "w_gate_up", "w_down")
-        scales = None
-        if copies.int4_group is None:
-            packed = [copies.get(name + ":rows", getattr(layer, name), bf16_rows.pack) for name in names]
-        else:  # an int4 draft: codes and their scales
-            packed, sc = zip(*(quant.rows_copy(copies, name, getattr(layer, name)) for name in names))
-            scales = (ctypes.c_void_p * 4)(*(t.data_ptr() for t in sc))
-        bias = None if layer.bqkv is None else copies.get("bqkv:float32", layer.bqkv,
-                                                          lambda w: w.detach().float().contiguous())
-        kc, vc = cache.keys[i][first], cache.values[i][first]
-        if fn(x.data_ptr(), b, t, hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-              layer.input_norm.data_ptr(), layer.post_attn_norm.data_ptr(),
-              None if layer.q_norm is None else layer.q_norm.data_ptr(),
-              None if layer.k_norm is None else layer.k_norm.data_ptr(),
-              packed[0].data_ptr(), None if bias is None else bias.data_ptr(), packed[1].data_ptr(),
-              packed[2].data_ptr(), packed[3].data_ptr(), scales, cos.data_ptr(), signed_sin.data_ptr(),
-              kc.data_ptr(), vc.data_ptr(), kv_f32, strides, starts, num_new,
-              None if mask is None else mask.data_ptr(), length, cfg.rms_norm_eps, model.scale, threads):
+    k0 = cache.keys[0]
+    head = (x.data_ptr(), b, t, hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
+    rope = (cos.data_ptr(), signed_sin.data_ptr())
+    tail = (int(k0.dtype == torch.float32), (ctypes.c_long * 3)(*k0.stride()[:3]), (ctypes.c_long * b)(*batch.starts),
+            (ctypes.c_long * b)(*batch.num_new), None if mask is None else mask.data_ptr(), length, cfg.rms_norm_eps,
+            model.scale, torch.get_num_threads())
+    first = batch.slots[0] * k0.stride(0) * k0.element_size()  # the batch's first slot, in bytes
+    fn = _kernel()
+    for i, static in enumerate(_layer_args(model)):
+        if fn(*head, *static, *rope, cache.keys[i].data_ptr() + first, cache.values[i].data_ptr() + first, *tail):
             raise MemoryError(f"layer_kernel: no memory for layer {i}'s scratch ({b} x {t} tokens)")
     return x
