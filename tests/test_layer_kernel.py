@@ -16,6 +16,13 @@ from tests.support.models import FAMILIES, build_tiny
 pytestmark = pytest.mark.skipif(not layer_kernel.available(), reason="the layer kernel does not run here (no AVX-512)")
 
 
+@pytest.fixture(autouse=True)
+def every_step_fits(monkeypatch):
+    """The kernel takes up to LIMIT tokens here whatever this CPU's speed choice (`max_rows()`: 2 where an AMX
+    CPU runs the dot code), so that every path of its code runs on every CPU that has it."""
+    monkeypatch.setattr(layer_kernel, "_MAX_ROWS", layer_kernel.LIMIT)
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def pair(request, tmp_path_factory):
     """(bf16 model, float32 model with the bf16 model's weights) of a 3-layer tiny `family`."""
@@ -231,6 +238,7 @@ def test_a_long_prefill_is_not_the_kernels_even_where_the_rows_kernel_takes_ever
         keys = values = [torch.zeros(2, 2, 4096, bf16.cfg.head_dim, dtype=torch.bfloat16)] * len(bf16.layers)
 
     monkeypatch.setattr(cpu_backend, "_ROWS_KERNEL_ROWS", 1 << 30)
+    monkeypatch.setattr(layer_kernel, "_MAX_ROWS", None)  # the computed limit, not the fixture's
     monkeypatch.setattr(layer_kernel, "_ON", True)
     assert layer_kernel.max_rows() == layer_kernel.LIMIT
 
@@ -272,15 +280,17 @@ def test_an_int4_draft_runs_through_the_kernel_as_its_module_layers_do(int4_pair
 
 def test_a_weight_written_after_a_step_is_the_next_steps(pair, monkeypatch):
     """The kernel keeps its per-layer arguments between steps (`_layer_args`): a weight written in place
-    (an RL update) or replaced must be read by the next step, as the module layers read it."""
+    (an RL update) or given other storage (`.data =`) must be read by the next step, as the module layers
+    read it."""
     bf16, _ = pair
     layer = bf16.layers[1]
-    saved = (layer.w_down.detach().clone(), layer.input_norm.detach().clone())
+    saved = (layer.w_down.detach().clone(), layer.input_norm.detach().clone(), layer.post_attn_norm.data)
     try:
         before, _ = run(bf16, True, monkeypatch)
         with torch.no_grad():
             layer.w_down.mul_(-1.5)  # in place: its version moves, its address does not
             layer.input_norm.add_(0.25)
+        layer.post_attn_norm.data = layer.post_attn_norm.data * 1.5  # other storage: the address moves, not the version
         after, _ = run(bf16, True, monkeypatch)
         modules, _ = run(bf16, False, monkeypatch)
         for b_, a, m in zip(before, after, modules):  # stale weights would leave `after` near `before`
@@ -290,3 +300,4 @@ def test_a_weight_written_after_a_step_is_the_next_steps(pair, monkeypatch):
         with torch.no_grad():
             layer.w_down.copy_(saved[0])
             layer.input_norm.copy_(saved[1])
+        layer.post_attn_norm.data = saved[2]

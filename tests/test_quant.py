@@ -116,23 +116,41 @@ def test_int4_rows_kernel_is_the_product_with_its_dequantized_weight(shape, rows
         assert ((out.double() - ref).abs() <= bound).all()
 
 
-def test_int4_rows_kernel_row_results_do_not_depend_on_the_batch_or_threads():
+@pytest.mark.parametrize("seed", range(6))
+def test_int4_rows_kernel_row_results_do_not_depend_on_the_batch_or_threads(seed):
+    """Within each path (one row: the dot instructions; 2+ rows: the tile unit in the amx build, else the dot
+    instructions too) a row's result is the same bits whatever rows are beside it and at 1-3 threads: each
+    row against the same row in pairs with another (2+ rows), and single rows at every thread count."""
     layer_kernel = _int4_rows_kernel()
-    g = torch.Generator().manual_seed(3)
-    w = (torch.randn(130, 96, generator=g) * 0.05).to(torch.bfloat16)
-    x = torch.randn(11, 96, generator=g).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(130, 1024, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(21, 1024, generator=g).to(torch.bfloat16)
     codes, scales = quant.pack_int4_rows(w)
-    alone = torch.cat([layer_kernel.int4_linear(x[i:i + 1], codes, scales, 130) for i in range(11)])
     threads = torch.get_num_threads()
     try:
+        torch.set_num_threads(1)
+        single = torch.cat([layer_kernel.int4_linear(x[i:i + 1], codes, scales, 130) for i in range(21)])
+        paired = torch.cat([layer_kernel.int4_linear(x[[i, (i + 1) % 21]], codes, scales, 130)[:1] for i in range(21)])
         for t in (1, 2, 3):
             torch.set_num_threads(t)
-            for m in (2, 3, 4, 7, 11):
-                assert torch.equal(layer_kernel.int4_linear(x[:m], codes, scales, 130), alone[:m]), (t, m)
+            assert torch.equal(torch.cat([layer_kernel.int4_linear(x[i:i + 1], codes, scales, 130)
+                                          for i in range(21)]), single), t
+            for m in (2, 3, 4, 7, 17, 21):  # 17, 21: past a tile's 16 rows
+                assert torch.equal(layer_kernel.int4_linear(x[:m], codes, scales, 130), paired[:m]), (t, m)
     finally:
         torch.set_num_threads(threads)
     with pytest.raises(ValueError, match="does not fit"):
         layer_kernel.int4_linear(x[:, :64], codes, scales, 130)
+
+
+def test_int4_rows_kernel_refuses_what_does_not_fit():
+    layer_kernel = _int4_rows_kernel()
+    codes, scales = quant.pack_int4_rows(torch.zeros(130, 96, dtype=torch.bfloat16))
+    x = torch.zeros(2, 96, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="does not fit"):
+        layer_kernel.int4_linear(x[:, :64], codes, scales, 130)  # other columns than the codes'
+    with pytest.raises(ValueError, match="bias has 129 elements"):
+        layer_kernel.int4_linear(x, codes, scales, 130, torch.zeros(129))
 
 
 def test_bad_settings_are_refused_by_name(tmp_path):

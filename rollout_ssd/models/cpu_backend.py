@@ -215,7 +215,7 @@ def _rows_kernel_serves(w: torch.Tensor) -> bool:
 
 
 def _rows_kernel(x: torch.Tensor, w: torch.Tensor, m: int) -> bool:
-    return m <= rows_kernel_rows() and x.dtype == torch.bfloat16 and _rows_kernel_serves(w)
+    return x.dtype == torch.bfloat16 and _rows_kernel_serves(w) and m <= rows_kernel_rows()  # (the kernel loaded first)
 
 
 def packed_linear(x: torch.Tensor, w: torch.Tensor, copies: WeightCopies, name: str,

@@ -85,7 +85,7 @@ def build_library(name: str, source: Path, flags: Sequence[str], link: Sequence[
 
 
 def check_operands(kernel: str, x, packed, n: int, bias) -> None:
-    """What both rows kernels need of their operands past their own layout: the packed copy contiguous,
+    """What the rows kernels need of their operands past their own layout: the packed copy contiguous,
     64-byte aligned and on the CPU as its `pack` makes it, x on the CPU, a CPU bias of n elements, n >= 0.
     A ValueError naming the kernel and what was wrong."""
     if not packed.is_contiguous() or packed.data_ptr() % 64 or not packed.is_cpu or not x.is_cpu:

@@ -112,9 +112,11 @@ def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: i
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [m, k] @ w.T (+ bias) -> bf16 [m, n] for w given as `quant.pack_int4_rows(w)`; needs `int4_available()`."""
     m, k = x.shape
+    kernel_build.check_operands("int4_rows", x, codes, n, bias)
     if codes.dtype != torch.uint8 or tuple(codes.shape[1:]) != (k // 2, 64) or codes.shape[0] * 64 < n \
             or k % quant.ROWS_GROUP or tuple(scales.shape) != (codes.shape[0], k // quant.ROWS_GROUP, 2, 64) \
-            or scales.dtype != torch.bfloat16 or not (codes.is_contiguous() and scales.is_contiguous()):
+            or scales.dtype != torch.bfloat16 or not (codes.is_contiguous() and scales.is_contiguous()) \
+            or not scales.is_cpu:
         raise ValueError(f"layer_kernel.int4_linear: x {tuple(x.shape)} does not fit codes {tuple(codes.shape)} "
                          f"{codes.dtype}, scales {tuple(scales.shape)} {scales.dtype} with n={n}")
     x = x.to(torch.bfloat16).contiguous()
@@ -149,8 +151,8 @@ def serves(model, batch, cache, contiguous: bool) -> bool:
     """Whether `forward_layers` takes this forward (see the module's docstring)."""
     b, t = batch.tokens.shape
     if torch.compiler.is_compiling() or not contiguous or batch.mask is not None or batch.spans is not None \
-            or b * t > max_rows() or not available() or not few_attention.available() or not _model_fits(model):
-        return False
+            or not available() or b * t > max_rows() or not few_attention.available() or not _model_fits(model):
+        return False  # (available() first: loading the rows kernel may lower the row limit, bf16_rows._kernel)
     kc = cache.keys[0]
     return kc.is_cpu and kc.dtype in (torch.bfloat16, torch.float32) and kc.dim() == 4 and kc.stride(3) == 1 \
         and all(k.stride() == kc.stride() and v.stride() == kc.stride() and k.dtype == kc.dtype
@@ -173,22 +175,25 @@ def _tensors(layer) -> list[torch.Tensor]:
                         layer.wo, layer.w_gate_up, layer.w_down) if t is not None]
 
 
-# model -> (key, per-layer arguments, what they point into): `_layer_args`' cache
+# model -> (key, per-layer arguments): `_layer_args`' cache
 _ARGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _layer_args(model) -> list[tuple]:
     """Per layer, the kernel's arguments only a weight write changes: the norms' and the packed copies'
     addresses (the int4 codes' and their scales' for an int4 draft), the bias's float32 copy. Made again
-    when any of the layers' tensors is written (its version) or replaced (its identity; the tensors are
-    held, so an identity is not reused meanwhile): per step the check costs a list of versions, less than
-    fetching every copy and address again did (bench/RESULTS.md, "One C call a layer")."""
+    when any of the layers' tensors is written (its version), replaced (its identity) or given other
+    storage (its address), or the model is quantized: the copies they point into are the layers'
+    WeightCopies', which keep them exactly that long (made again only when their tensor changes so).
+    Per step the check costs a list of versions, less than fetching every copy and address again did
+    (bench/RESULTS.md, "One C call a layer")."""
     tensors = [t for layer in model.layers for t in _tensors(layer)]
-    key = [(id(t), t._version) for t in tensors]
+    key = [(id(t), t._version, t.data_ptr()) for t in tensors] + [model.layers[0].row_major.int4_group]
     hit = _ARGS.get(model)
-    if hit is not None and hit[0] == key:
+    if hit is not None and hit[0] == key and all(a is b for a, b in zip(hit[2], tensors)):
         return hit[1]
-    args, held = [], list(tensors)
+    _ARGS.pop(model, None)
+    args = []
     names = ("wqkv", "wo", "w_gate_up", "w_down")
     for layer in model.layers:
         copies, scales = layer.row_major, None
@@ -197,14 +202,12 @@ def _layer_args(model) -> list[tuple]:
         else:  # an int4 draft: codes and their scales
             packed, sc = zip(*(quant.rows_copy(copies, name, getattr(layer, name)) for name in names))
             scales = (ctypes.c_void_p * 4)(*(t.data_ptr() for t in sc))
-            held += sc
         bias = None if layer.bqkv is None else copies.get("bqkv:float32", layer.bqkv,
                                                           lambda w: w.detach().float().contiguous())
-        held += [*packed, bias, scales]
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         args.append((ptr(layer.input_norm), ptr(layer.post_attn_norm), ptr(layer.q_norm), ptr(layer.k_norm),
                      ptr(packed[0]), ptr(bias), ptr(packed[1]), ptr(packed[2]), ptr(packed[3]), scales))
-    _ARGS[model] = (key, args, held)
+    _ARGS[model] = (key, args, tensors)  # the tensors held: an identity in the key is not reused meanwhile
     return args
 
 
