@@ -280,22 +280,29 @@ def test_an_int4_draft_runs_through_the_kernel_as_its_module_layers_do(int4_pair
 
 def test_a_weight_written_after_a_step_is_the_next_steps(pair, monkeypatch):
     """The kernel keeps its per-layer arguments between steps (`_layer_args`): a weight written in place
-    (an RL update) or given other storage (`.data =`) must be read by the next step, as the module layers
-    read it."""
+    (an RL update), and alone a weight given other storage (`.data =`: its address moves, not its version),
+    must be read by the next step, as the module layers read it."""
     bf16, _ = pair
     layer = bf16.layers[1]
     saved = (layer.w_down.detach().clone(), layer.input_norm.detach().clone(), layer.post_attn_norm.data)
-    try:
-        before, _ = run(bf16, True, monkeypatch)
+
+    def in_place():
         with torch.no_grad():
-            layer.w_down.mul_(-1.5)  # in place: its version moves, its address does not
+            layer.w_down.mul_(-1.5)
             layer.input_norm.add_(0.25)
-        layer.post_attn_norm.data = layer.post_attn_norm.data * 1.5  # other storage: the address moves, not the version
-        after, _ = run(bf16, True, monkeypatch)
-        modules, _ = run(bf16, False, monkeypatch)
-        for b_, a, m in zip(before, after, modules):  # stale weights would leave `after` near `before`
-            moved = (b_ - m).abs().max()
-            assert moved > 0 and (a - m).abs().max() <= 0.05 * moved  # (bitwise equal on the CPU it was written on)
+
+    def other_storage():
+        layer.post_attn_norm.data = layer.post_attn_norm.data * 1.5
+
+    try:
+        for write in (in_place, other_storage):
+            before, _ = run(bf16, True, monkeypatch)
+            write()
+            after, _ = run(bf16, True, monkeypatch)
+            modules, _ = run(bf16, False, monkeypatch)
+            for b_, a, m in zip(before, after, modules):  # stale weights would leave `after` near `before`
+                moved = (b_ - m).abs().max()
+                assert moved > 0 and (a - m).abs().max() <= 0.05 * moved, write.__name__
     finally:
         with torch.no_grad():
             layer.w_down.copy_(saved[0])
