@@ -129,10 +129,12 @@ def build(compiler: Optional[str] = None, op: bool = False, kind: Optional[str] 
 def load(kind: str):
     """The `kind` build's C function, argument types set (tests run the widened build where the dot one
     is this CPU's)."""
-    fn = getattr(ctypes.CDLL(str(build(kind=kind))), SYMBOLS[kind])
+    lib = ctypes.CDLL(str(build(kind=kind)))
+    fn = getattr(lib, SYMBOLS[kind])
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     fn.restype = ctypes.c_int  # 0, or -1: the widened build could not allocate its float32 copy of x
+    fn.amx_ready = lib.bf16_rows_amx_ready if kind == "amx" else None  # 1 where the OS lent the tiles
     return fn
 
 
@@ -146,7 +148,7 @@ def _kernel():
         if fn is None:
             continue
         _LOADED[:] = [kind]
-        if variant() == "amx" and not (kind == "amx" and _tiles_granted(kind)):  # the dot code runs on AMX
+        if variant() == "amx" and not (kind == "amx" and fn.amx_ready()):  # the dot code runs on AMX
             from rollout_ssd.models import cpu_backend  # (imported here: cpu_backend imports this module)
 
             log.warning("bf16 rows kernel: AMX's tiles are not used here (%s); bf16 linears of %d+ rows stay "
@@ -162,16 +164,9 @@ _LOADED: list = []  # the kind `_kernel` loaded
 DOT_ON_AMX_MAX_ROWS = 2  # the dot build's code on AMX loses to oneDNN from 3 rows (bench/RESULTS.md, "A fifth CPU kind")
 
 
-def _tiles_granted(kind: str) -> bool:
-    """Whether the `kind` build's AMX path runs in this process (the OS lent it the tile registers)."""
-    ready = ctypes.CDLL(str(build(kind=kind))).bf16_rows_amx_ready
-    ready.restype = ctypes.c_int
-    return bool(ready())
-
-
 def amx_tiles() -> bool:
     """Whether bf16 linears run on AMX's tile unit here (the amx build loaded, the tiles lent)."""
-    return loaded_variant() == "amx" and _tiles_granted("amx")
+    return loaded_variant() == "amx" and bool(_kernel().amx_ready())
 
 
 @functools.cache

@@ -65,14 +65,15 @@ def build(kind: str, compiler: Optional[str] = None) -> Path:
 
 def load(kind: str):
     """The `kind` build's C function, argument types set."""
-    fn = ctypes.CDLL(str(build(kind))).decoder_layer
+    lib = ctypes.CDLL(str(build(kind)))
+    fn = lib.decoder_layer
     p, n = ctypes.c_void_p, ctypes.c_long
     fn.argtypes = [p, *[n] * 7, *[p] * 4, *[p] * 5, p, p, p, p, p, ctypes.c_int, p, p, p, p, n,
                    ctypes.c_float, ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
     fn.int4 = None
     if kind in INT4_KINDS:
-        fn.int4 = ctypes.CDLL(str(build(kind))).int4_rows_linear
+        fn.int4 = lib.int4_rows_linear
         fn.int4.argtypes = [p, n, n, p, p, n, p, p, ctypes.c_int]
         fn.int4.restype = ctypes.c_int
     return fn
@@ -131,8 +132,8 @@ def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: i
 
 
 def _model_fits(model) -> bool:
-    """Whether the model's layers are ones the kernel computes: bf16 on the CPU, frozen, plain linears (not an
-    int4 draft's), SDPA's cache layout, shapes the two kernels take."""
+    """Whether the model's layers are ones the kernel computes: bf16 on the CPU, frozen, bf16 linears or an int4
+    draft's in int4_rows.c's groups, SDPA's cache layout, shapes the kernels take."""
     from rollout_ssd.models.attention import SDPABackend
 
     cfg, layer = model.cfg, model.layers[0] if len(model.layers) else None

@@ -60,7 +60,7 @@ def dequantize(codes: torch.Tensor, scales_zeros: torch.Tensor, group: int) -> t
 
 
 ROWS_GROUP = 32  # int4_rows.c's group (its layout): the layer kernel takes models quantized with it
-ROWS_KERNEL_MAX_ROWS = 32  # rows of an int4 linear int4_rows.c takes (three at a time, the codes widened per three)
+ROWS_KERNEL_MAX_ROWS = 32  # rows of an int4 linear int4_rows.c takes (past them, a prefill: `linear`)
 
 
 def _nibble_order() -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,7 +174,7 @@ def pack_live(model) -> None:
     for w, _, copies, name in linear_weights(model):
         q = _int4_copy(copies, name, w)
         copies.live[name + ":int4"] = (q.packed, q.scales_zeros)
-        if copies.int4_group == ROWS_GROUP and w.shape[1] % ROWS_GROUP == 0 and _rows_kernel(w):
+        if copies.int4_group == ROWS_GROUP and _rows_kernel(w):
             rows_copy(copies, name, w)  # the eager steps' copies too, made now rather than in a first round
 
 

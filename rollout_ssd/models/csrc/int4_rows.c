@@ -22,8 +22,9 @@
    depend on the thread count, nor on its batch within each path: in the amx build one row takes the dot
    instructions and 2+ rows the tile unit, whose sums within a group may round differently (about one
    output in 3,000 differed by a bf16 ulp); the tile path at one row measured no faster. A draft's
-   outputs need not be batch-invariant: the target's verification keeps the engine exact. Included after bf16_rows.c (decoder_layer.c), whose store_tile and AMX
-   tile configuration it uses. */
+   outputs need not be batch-invariant: the target's verification keeps the engine exact.
+
+   Included after bf16_rows.c (decoder_layer.c), whose store_tile and AMX tile configuration it uses. */
 
 #include <immintrin.h>
 #include <stdint.h>
