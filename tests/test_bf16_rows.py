@@ -451,7 +451,8 @@ def test_pack_live_keeps_the_kernels_copies_while_it_runs_and_drops_them_once_it
 def test_greedy_sd_and_ssd_of_a_bf16_pair_emit_ar_tokens_through_the_kernel(tmp_path):
     """A bf16 pair whose linears run this CPU's build of the kernel (the widened one where the CPU has no
     bf16 units, where dtype auto now picks bf16): greedy SD (verify of K + 1 rows) and SSD (the draft side
-    in process, its tree steps and a fan-out, hits and misses both) emit AR's tokens, one-row decode steps."""
+    in process, its tree steps and a fan-out, hits and misses both) emit AR's tokens, one-row decode steps;
+    where the one-call layer kernel runs, through it (decode and verify steps alike)."""
     from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig
     from rollout_ssd.models.loader import load_pretrained
     from tests.support.models import tiny_pair
@@ -471,6 +472,10 @@ def test_greedy_sd_and_ssd_of_a_bf16_pair_emit_ar_tokens_through_the_kernel(tmp_
     assert 0 < m["ssd/hits"] < m["ssd/rounds"] - m["ssd/cold_rounds"]
     ssd.close()
     assert any(key.endswith(":rows") for key in target.model.layers[0].row_major._copies)  # the kernel served them
+    from rollout_ssd.models import layer_kernel
+
+    if layer_kernel.available():  # and the one-call layers served AR's steps and SD's verifies (their arguments kept)
+        assert layer_kernel._ARGS.get(target.model) is not None
 
 
 def test_a_bf16_models_float32_cache_where_bf16_is_widened_changes_no_decode_or_verify_output(tmp_path, monkeypatch):
