@@ -16,7 +16,7 @@ compiler found, from the rows kernel's and the attention kernel's sources includ
 (kernel_build.py); $ROLLOUT_SSD_LAYER_KERNEL=0 or `set_enabled(False)` turns it off.
 
 Its results are the eager layers' except where two float32 computations of one value (a sum of squares
-in another order, expf against PyTorch's vectorised exp) cross a bf16 rounding boundary differently;
+in another order, SiLU's exponential, a polynomial against PyTorch's) cross a bf16 rounding boundary differently;
 tests/test_layer_kernel.py bounds that against a float32 model and checks a row's results do not depend
 on its batch or the thread count.
 """

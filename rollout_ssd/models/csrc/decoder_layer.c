@@ -20,8 +20,9 @@
      h    = RMSNorm(x);  g, u = h @ Wgu^T
      x    = bf16(x + bf16(bf16(silu(g)) * u) @ Wdown^T)
    It differs from the eager ops only where two float32 computations of one value differ in their last
-   bits (the sum of squares' order, expf against PyTorch's vectorised exp) and that difference crosses a
-   bf16 rounding boundary (tests/test_layer_kernel.py bounds the effect on the logits).
+   bits (the sum of squares' order; SiLU's exponential, few_attention.c's polynomial against PyTorch's)
+   and that difference crosses a bf16 rounding boundary (tests/test_layer_kernel.py bounds the effect on
+   the logits). From GLUE_PARALLEL_ROWS tokens the arithmetic between the linears runs on every thread.
 
    Shapes (element strides, row-major, contiguous unless said):
      x       bf16 [m, H], m = b * t tokens (row i's token j at i * t + j), updated in place
@@ -52,9 +53,16 @@ static int linear_any(const uint16_t *x, long m, long k, const void *w, const ui
 
 static inline uint16_t bmul(uint16_t a, uint16_t b) { return f32_to_bf16(bf16_to_f32(a) * bf16_to_f32(b)); }
 
+/* From this many rows (tokens) a step, the row-wise arithmetic between the linears (RMSNorm, RoPE, SwiGLU,
+   the residual adds) is shared among the threads: each row's arithmetic is the same whichever thread does
+   it, so the results do not depend on the thread count. Below it one thread does it (waking the others
+   costs more than a few rows' arithmetic). */
+#define GLUE_PARALLEL_ROWS 4
+
 /* out[r] = RMSNorm(x[r]) for `rows` vectors of n at stride `stride` (in and out alike) */
 static void rms_rows(const uint16_t *x, long rows, long n, long stride, const uint16_t *w, float eps,
-                     uint16_t *out) {
+                     uint16_t *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows >= GLUE_PARALLEL_ROWS)
     for (long r = 0; r < rows; r++) {
         const uint16_t *xr = x + r * stride;
         uint16_t *o = out + r * stride;
@@ -95,9 +103,14 @@ static inline void store_row(void *cache, int f32, long off, const uint16_t *src
     }
 }
 
-static inline void add_rows(uint16_t *x, const uint16_t *y, long n) {
+static inline void add_rows(uint16_t *x, const uint16_t *y, long rows, long n, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows >= GLUE_PARALLEL_ROWS)
+    for (long r = 0; r < rows; r++) {
+        uint16_t *xr = x + r * n;
+        const uint16_t *yr = y + r * n;
 #pragma omp simd
-    for (long i = 0; i < n; i++) x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(y[i]));
+        for (long i = 0; i < n; i++) xr[i] = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(yr[i]));
+    }
 }
 
 int decoder_layer(uint16_t *x, long b, long t, long hidden, long hq, long hkv, long d, long inter,
@@ -114,16 +127,17 @@ int decoder_layer(uint16_t *x, long b, long t, long hidden, long hq, long hkv, l
              *act = gu + m * 2 * inter, *y = act + m * inter;
     int failed = 0;
 
-    rms_rows(x, m, hidden, hidden, norm_in, eps, h);
+    rms_rows(x, m, hidden, hidden, norm_in, eps, h, threads);
     if (linear_any(h, m, hidden, wqkv, scales ? scales[0] : NULL, nqkv, bqkv, qkv, threads)) {
         free(buf);  /* nothing written: no unset keys or values reach the cache */
         return -1;
     }
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && m >= GLUE_PARALLEL_ROWS)
     for (long r = 0; r < m; r++) {
         uint16_t *row = qkv + r * nqkv;
         if (q_norm) {
-            rms_rows(row, hq, d, d, q_norm, eps, row);
-            rms_rows(row + nq, hkv, d, d, k_norm, eps, row + nq);
+            rms_rows(row, hq, d, d, q_norm, eps, row, 1);
+            rms_rows(row + nq, hkv, d, d, k_norm, eps, row + nq, 1);
         }
         rope_heads(row, hq + hkv, d, cos + r * d, ss + r * d);
     }
@@ -146,21 +160,22 @@ int decoder_layer(uint16_t *x, long b, long t, long hidden, long hq, long hkv, l
             for (long j = 0; j < t; j++)
                 memcpy(q + (i * t + j) * nq + hh * d, att + ((i * hq + hh) * t + j) * d, (size_t)d * sizeof(uint16_t));
     failed |= linear_any(q, m, nq, wo, scales ? scales[1] : NULL, hidden, NULL, y, threads);
-    add_rows(x, y, m * hidden);
+    add_rows(x, y, m, hidden, threads);
 
-    rms_rows(x, m, hidden, hidden, norm_post, eps, h);
+    rms_rows(x, m, hidden, hidden, norm_post, eps, h, threads);
     failed |= linear_any(h, m, hidden, wgu, scales ? scales[2] : NULL, 2 * inter, NULL, gu, threads);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && m >= GLUE_PARALLEL_ROWS)
     for (long r = 0; r < m; r++) {
         const uint16_t *g = gu + r * 2 * inter, *u = g + inter;
         uint16_t *a = act + r * inter;
 #pragma omp simd
-        for (long i = 0; i < inter; i++) {
+        for (long i = 0; i < inter; i++) {  /* SiLU as x / (1 + e^-x), exp_any vectorized (few_attention.c) */
             float gv = bf16_to_f32(g[i]);
-            a[i] = bmul(f32_to_bf16(gv / (1.0f + expf(-gv))), u[i]);
+            a[i] = bmul(f32_to_bf16(gv / (1.0f + exp_any(-gv))), u[i]);
         }
     }
     failed |= linear_any(act, m, inter, wdown, scales ? scales[3] : NULL, hidden, NULL, y, threads);
-    add_rows(x, y, m * hidden);
+    add_rows(x, y, m, hidden, threads);
     free(buf);
     return failed ? -1 : 0;
 }

@@ -30,10 +30,9 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even; NaN sta
     return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
 }
 
-/* e^x for x <= 0 (a score minus its row's maximum), relative error about 2e-7; x below -87 gives e^-87
-   (under 2e-38: nothing beside the maximum's 1). Plain arithmetic, so loops over it vectorize. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
+/* e^x for x in [-87, 88], relative error about 2e-7. Plain arithmetic, so loops over it vectorize (libm's
+   expf is a call per element). */
+static inline float exp_reduced(float x) {
     /* n = x log2(e) rounded to nearest: adding 1.5 * 2^23 leaves no fraction bits (|x log2(e)| < 2^22);
        needs float arithmetic as written (no -ffast-math, which could fold the two operations away) */
     float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
@@ -43,6 +42,16 @@ static inline float exp_nonpositive(float x) {
     union { uint32_t u; float f; } s;
     s.u = (uint32_t)((int32_t)n + 127) << 23;
     return p * s.f;
+}
+
+/* e^x for x <= 0 (a score minus its row's maximum); x below -87 gives e^-87 (under 2e-38: nothing beside
+   the maximum's 1). */
+static inline float exp_nonpositive(float x) { return exp_reduced(x < -87.0f ? -87.0f : x); }
+
+/* e^x for any x: +inf past 88 (e^88.7 overflows float32), e^-87 below -87; NaN stays NaN. */
+static inline float exp_any(float x) {
+    float e = exp_reduced(x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x);
+    return x > 88.0f ? INFINITY : x != x ? x : e;
 }
 
 static inline const void *row_at(const void *base, int f32, long offset) {
