@@ -228,25 +228,38 @@ def test_causal_mask():
     assert layer_kernel.causal_mask([4, 3], [1, 1], 1, 5) is not None
 
 
-def test_a_long_prefill_is_not_the_kernels_even_where_the_rows_kernel_takes_every_row_count(pair, monkeypatch):
-    """On the avx512 kind the rows kernel serves every row count; the layer kernel still stops at LIMIT
-    tokens (a prefill's attention is SDPA's, and few_attention.c's scratch grows with queries x keys)."""
+@pytest.mark.parametrize("kind", ["avx512", "amx"])
+def test_a_long_prefill_is_not_the_kernels_whatever_the_row_limit(pair, kind, monkeypatch):
+    """A row of more than LIMIT tokens is a prefill, never the kernel's (its attention is SDPA's, and
+    few_attention.c's scratch grows with queries x keys), even where the kernel takes many more rows of a
+    few tokens: the avx512 kind's rows kernel serves every row count (the layer kernel stops at LIMIT), the
+    amx kind's layer kernel takes MAX_ROWS["amx"] tokens in rows of up to LIMIT each."""
     bf16, _ = pair
     from rollout_ssd.models.decoder import ForwardBatch
 
-    class Cache:
-        keys = values = [torch.zeros(2, 2, 4096, bf16.cfg.head_dim, dtype=torch.bfloat16)] * len(bf16.layers)
+    limit = layer_kernel.MAX_ROWS.get(kind, layer_kernel.LIMIT)
 
-    monkeypatch.setattr(cpu_backend, "_ROWS_KERNEL_ROWS", 1 << 30)
+    class Cache:
+        keys = values = [torch.zeros(limit + 1, 2, 64, bf16.cfg.head_dim, dtype=torch.bfloat16)] * len(bf16.layers)
+
+    monkeypatch.setattr(cpu_backend, "_ROWS_KERNEL_ROWS", 1 << 30 if kind == "avx512" else layer_kernel.LIMIT)
+    monkeypatch.setattr(cpu_backend, "cpu_kind", lambda: kind)
     monkeypatch.setattr(layer_kernel, "_MAX_ROWS", None)  # the computed limit, not the fixture's
     monkeypatch.setattr(layer_kernel, "_ON", True)
-    assert layer_kernel.max_rows() == layer_kernel.LIMIT
+    assert layer_kernel.max_rows() == limit and limit >= layer_kernel.LIMIT
 
-    def batch(t):
-        return ForwardBatch(torch.zeros(1, t, dtype=torch.long), torch.zeros(1, t, dtype=torch.long), [t], [0], [0])
-    assert layer_kernel.serves(bf16, batch(layer_kernel.LIMIT), Cache, True)
-    assert not layer_kernel.serves(bf16, batch(layer_kernel.LIMIT + 1), Cache, True)
-    assert not layer_kernel.serves(bf16, batch(4000), Cache, True)
+    def batch(b, t):
+        return ForwardBatch(torch.zeros(b, t, dtype=torch.long), torch.zeros(b, t, dtype=torch.long), [t] * b,
+                            list(range(b)), [0] * b)
+    assert layer_kernel.serves(bf16, batch(1, layer_kernel.LIMIT), Cache, True)
+    assert not layer_kernel.serves(bf16, batch(1, layer_kernel.LIMIT + 1), Cache, True)
+    assert not layer_kernel.serves(bf16, batch(1, 4000), Cache, True)
+    assert layer_kernel.serves(bf16, batch(limit, 1), Cache, True)
+    assert not layer_kernel.serves(bf16, batch(limit + 1, 1), Cache, True)
+    assert layer_kernel.serves(bf16, batch(limit // layer_kernel.LIMIT, layer_kernel.LIMIT), Cache, True)
+    # where the rows kernel runs the dot code on an AMX CPU (no tiles lent), the limit falls with it
+    monkeypatch.setattr(cpu_backend, "_ROWS_KERNEL_ROWS", 2)
+    assert layer_kernel.max_rows() == 2 and not layer_kernel.serves(bf16, batch(3, 1), Cache, True)
 
 
 @pytest.fixture(scope="module")
@@ -276,6 +289,20 @@ def test_an_int4_draft_runs_through_the_kernel_as_its_module_layers_do(int4_pair
     assert before > 0 and len(calls) == before
     for s, (r, e, k) in enumerate(zip(ref, modules, fused)):
         assert (k - e).abs().max() <= 0.25 * (e - r).abs().max(), s
+    # past LIMIT tokens its linears are the shared bf16 weights' (quant.linear), so its steps the module layers'
+    from rollout_ssd.models.decoder import ForwardBatch
+
+    class Cache:
+        keys = values = [torch.zeros(64, draft.cfg.num_kv_heads, 8, draft.cfg.head_dim, dtype=torch.bfloat16)
+                         ] * len(draft.layers)
+
+    monkeypatch.setattr(layer_kernel, "_MAX_ROWS", None)
+    monkeypatch.setattr(cpu_backend, "cpu_kind", lambda: "amx")
+    monkeypatch.setattr(cpu_backend, "_ROWS_KERNEL_ROWS", layer_kernel.LIMIT)
+    rows = layer_kernel.LIMIT + 1
+    many = ForwardBatch(torch.zeros(rows, 1, dtype=torch.long), torch.zeros(rows, 1, dtype=torch.long), [1] * rows,
+                        list(range(rows)), [0] * rows)
+    assert layer_kernel.serves(target, many, Cache, True) and not layer_kernel.serves(draft, many, Cache, True)
 
 
 def test_a_weight_written_after_a_step_is_the_next_steps(pair, monkeypatch):

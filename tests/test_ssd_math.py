@@ -923,7 +923,8 @@ def test_beside_a_worker_one_verify_shaped_step_is_timed_per_bucket_where_it_cou
     below AR's 150 (not timed). A round of first rounds, or no worker, times nothing."""
     from types import SimpleNamespace
 
-    from rollout_ssd.ssd.chooser import VERIFY_SHAPE_MAX_ROWS, Plan, batch_bucket
+    from rollout_ssd.ssd.chooser import Plan, batch_bucket
+    from rollout_ssd.ssd.ssd_cap import VERIFY_SHAPE_MAX_ROWS
 
     calls, shares = [], []
 
@@ -1088,3 +1089,26 @@ def test_chooser_does_not_explore_a_new_bucket_in_a_calls_tail():
     chooser.current = Plan.SSD_DRAFT
     assert chooser.choose(12, tail=True) is Plan.AR
     assert chooser.choose(12) is Plan.AR and not chooser._tail_round  # not a tail: explored, AR first
+
+
+@pytest.mark.parametrize("shares_cores,narrow,excluded", [(False, None, False), (True, None, True),
+                                                           (True, 0.05, True), (True, 0.026, False)])
+def test_ssd_waits_for_the_caps_one_core_time_beside_a_worker(shares_cores, narrow, excluded):
+    """Beside a worker (`shares_cores`), an SSD plan the cap at v = 1 leaves in is left out until v's
+    one-core time is measured at the bucket (`_v_pending`): then the cap decides. Priors a = 0.6, K = 3:
+    E = 2.176; at 3 sequences AR 150 tok/s, SD 3 * 2.176 / 0.035 = 187 (timed); the cap at v = 1 is
+    3 * 2.176 / 0.025 = 261. A one-core verify of 0.05 s gives v = 0.5 (cap 131: out), of 0.026 s
+    v = 0.96 (cap 251: in). Without a worker nothing waits (v stays 1 there)."""
+    from rollout_ssd.ssd import rule as rules
+
+    chooser, _ = _fresh_chooser(k=3)
+    chooser.shares_cores = shares_cores
+    chooser.estimates.observe_time("decode", 0.02, 3)
+    chooser.estimates.observe_time("plain_verify", 0.025, 3)
+    chooser.estimates.observe_time("plain_draft", 0.01, 3)
+    if narrow is not None:
+        chooser.estimates.observe_time("verify_narrow", narrow, 3)
+    inputs = chooser.estimates.inputs(3)
+    scores = rules.strategy_scores(inputs, chooser.rule.config.candidates)
+    assert scores["sd"] == pytest.approx(3 * 2.176 / 0.035) and chooser._ssd_cap(2, inputs, v=1.0) > scores["sd"]
+    assert ("ssd+neural" in chooser._excluded(2, inputs, scores)) == excluded

@@ -39,18 +39,21 @@ INCLUDED = (bf16_rows.SOURCE, few_attention.SOURCE, SOURCE.with_name("int4_rows.
 MAX_HEAD_DIM = few_attention.MAX_HEAD_DIM
 
 # The most tokens a step runs through the layer kernel: the rows kernel's own limit (`cpu_backend.rows_kernel_rows()`),
-# at most LIMIT, past which a step is a prefill (its attention is SDPA's flash kernel's work, and few_attention.c's
-# scratch grows with queries x keys), unless measured otherwise for a CPU kind in MAX_ROWS (bench/layer_kernel.py;
-# bench/RESULTS.md, "One C call a layer").
+# at most LIMIT, unless measured otherwise for a CPU kind in MAX_ROWS where the rows kernel takes LIMIT rows
+# (bench/layer_kernel.py; bench/RESULTS.md, "One C call a layer" and "The layer kernel's arithmetic on every
+# thread"). Whatever the rows, a row of more than LIMIT tokens is a prefill: its attention is SDPA's flash kernel's
+# work (few_attention.c's scratch grows with queries x keys), and so are the linears of an int4 draft's step past
+# LIMIT tokens (int4_rows.c is tested up to LIMIT rows).
 LIMIT = 32
-MAX_ROWS: dict = {}
+MAX_ROWS: dict = {"amx": 256}  # AMX's tiles: decode and verify steps of up to 256 rows beat the module layers
 
 
 def max_rows() -> int:
     """The most tokens (rows x tokens per row) a step runs through the layer kernel on this CPU."""
     if _MAX_ROWS is not None:
         return _MAX_ROWS
-    return MAX_ROWS.get(cpu_backend.cpu_kind(), min(cpu_backend.rows_kernel_rows(), LIMIT))
+    rows = min(cpu_backend.rows_kernel_rows(), LIMIT)
+    return MAX_ROWS.get(cpu_backend.cpu_kind(), rows) if rows == LIMIT else rows
 
 
 _MAX_ROWS: Optional[int] = None  # an override (bench/layer_kernel.py forces the kernel past its limit this way)
@@ -152,7 +155,8 @@ def serves(model, batch, cache, contiguous: bool) -> bool:
     """Whether `forward_layers` takes this forward (see the module's docstring)."""
     b, t = batch.tokens.shape
     if torch.compiler.is_compiling() or not contiguous or batch.mask is not None or batch.spans is not None \
-            or not available() or b * t > max_rows() or not few_attention.available() or not _model_fits(model):
+            or not available() or t > (_MAX_ROWS or LIMIT) or b * t > max_rows() or not few_attention.available() \
+            or not _model_fits(model) or (b * t > LIMIT and model.layers[0].row_major.int4_group is not None):
         return False  # (available() first: loading the rows kernel may lower the row limit, bf16_rows._kernel)
     kc = cache.keys[0]
     return kc.is_cpu and kc.dtype in (torch.bfloat16, torch.float32) and kc.dim() == 4 and kc.stride(3) == 1 \

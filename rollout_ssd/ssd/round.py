@@ -73,6 +73,7 @@ class SSDDecode(DecodeStrategy):
         self.telemetry = RoundTelemetry(estimates, self.planner, stats, None if backup is None else backup.name)
         self.draft = DraftSide(draft_model, runner.model.hf_parameters(), config, stats,
                                runner.cache.num_slots, max_model_len or runner.max_len)
+        self.chooser.shares_cores = self.draft.cores is not None
         # SD rounds (and, Saguaro off, SSD's misses) while a worker process holds a CPU core: the SD
         # engine's own speculator, in this process on every core (the worker would draft on its one
         # core). Taken up at the first round that drafts with it (on every core; it prefills the live
