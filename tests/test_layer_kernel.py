@@ -340,7 +340,7 @@ def test_a_weight_written_after_a_step_is_the_next_steps(pair, monkeypatch):
 def test_silu_past_the_float32_range_of_its_exponential(tmp_path, monkeypatch):
     """SwiGLU's gates far past +-88 (where e^-x overflows float32: the kernel's own vectorised exponential
     clamps there) give the module layers' logits: finite, and within the accuracy test's quarter of the
-    module layers' bf16 error of them. The gates of the first layer are scaled until some pass 300."""
+    module layers' bf16 error of them. The gates of the first layer are scaled until some pass +-300."""
     build_tiny(tmp_path, family="llama-gqa-untied", seed=3, num_hidden_layers=2, max_position_embeddings=256)
     bf16 = load_pretrained(str(tmp_path), dtype="bfloat16", with_tokenizer=False).model
     gate = bf16.hf_parameters()["model.layers.0.mlp.gate_proj.weight"]
@@ -348,12 +348,40 @@ def test_silu_past_the_float32_range_of_its_exponential(tmp_path, monkeypatch):
     f32 = build_decoder(load_pretrained(str(tmp_path), dtype="bfloat16", with_tokenizer=False).hf_config,
                         {k: v.float() for k, v in bf16.hf_parameters().items()}, torch.float32)
     gates, silu = [], torch.nn.functional.silu
-    monkeypatch.setattr(torch.nn.functional, "silu", lambda x: gates.append(x.float().abs().max()) or silu(x))
+    monkeypatch.setattr(torch.nn.functional, "silu", lambda x: gates.append(x.float().aminmax()) or silu(x))
     eager, _ = run(bf16, False, monkeypatch, rows=(0,), steps=[(s[0],) for s in STEPS])
     monkeypatch.setattr(torch.nn.functional, "silu", silu)
-    assert max(gates) > 300, "the gates reach past the exponential's range"
+    assert min(g.min for g in gates) < -300 and max(g.max for g in gates) > 300, "past the exponential's range"
+    calls = module_calls(bf16, monkeypatch)
     fused, _ = run(bf16, True, monkeypatch, rows=(0,), steps=[(s[0],) for s in STEPS])
+    assert not calls, "the kernel ran every step"
     ref, _ = run(f32, False, monkeypatch, rows=(0,), steps=[(s[0],) for s in STEPS])
     for s, (r, e, k) in enumerate(zip(ref, eager, fused)):
         assert torch.isfinite(k).all(), s
         assert (k - e).abs().max() <= 0.25 * (e - r).abs().max(), (s, float((k - e).abs().max()))
+
+
+def test_a_step_of_more_rows_than_32(pair, monkeypatch):
+    """A decode step of 40 rows of ragged lengths (the amx kind takes steps of up to 256 tokens, past the
+    rows kernel's groups of 32): the kernel served it, its logits are within a quarter of the module layers'
+    bf16 error against float32 of the module layers', and a row's logits are the same alone, bit for bit."""
+    bf16, f32 = pair
+    monkeypatch.setattr(layer_kernel, "_MAX_ROWS", 64)
+    rows = 40
+
+    def step(model, kernel, which):
+        monkeypatch.setattr(layer_kernel, "_ON", kernel)
+        runner = ModelRunner(model, num_slots=rows, max_len=32)
+        slots = [runner.allocate() for _ in range(rows)]
+        with torch.inference_mode():
+            for i in which:
+                runner.prefill([slots[i]], [[3 + (5 * i + 7 * j) % 90 for j in range(3 + i % 6)]])
+            return runner.extend([slots[i] for i in which], [[10 + i % 50] for i in which])[:, 0]
+
+    ref, eager = step(f32, False, range(rows)), step(bf16, False, range(rows))
+    calls = module_calls(bf16, monkeypatch)
+    fused = step(bf16, True, range(rows))
+    assert not calls, "the kernel ran the 40-row step (and the prefills)"
+    err = (eager - ref).abs().max()
+    assert err > 0 and (fused - eager).abs().max() <= 0.25 * err, (float((fused - eager).abs().max()), float(err))
+    assert torch.equal(step(bf16, True, [0])[0], fused[0]) and torch.equal(step(bf16, True, [39])[0], fused[39])

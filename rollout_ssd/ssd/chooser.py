@@ -70,6 +70,7 @@ class Chooser(SSDCap):
         self._decided_rounds: dict[int, int] = {}  # batch_bucket -> rounds decided there
         self._tail_round = False  # this round runs a long call's tail plan: nothing is calibrated (`choose`)
         self.shares_cores = False  # a worker process holds a CPU core beside the target (ssd/cores.py; round.py sets it)
+        self._v_waits: dict[int, int] = {}  # batch_bucket -> AR rounds `_explore` ran there for the cap's v (ssd_cap.py)
 
     def kept_choices(self) -> dict[str, str]:
         """The plan chosen at each batch bucket, as JSON data (ssd/rule_cache.py keeps it)."""
@@ -170,7 +171,8 @@ class Chooser(SSDCap):
         decide_margin below the best other measured one is left there, and so is one timed at the next
         larger bucket that scores so far below here (a GRPO call's batch shrinks: bench/RESULTS.md, "The
         float32 rows kernel"). Each round emits tokens; a round of first rounds times nothing, hence one
-        try more than the timed rounds needed. `scores`: the rule's for `inputs` (empty: nothing timed)."""
+        try more than the timed rounds needed. `scores`: the rule's for `inputs` (empty: nothing timed). Where
+        SSD waits for the cap's v beside a worker (`_v_pending`), AR rounds that time it come first."""
         excluded = self._excluded(bucket, inputs, scores) if inputs is not None else set()
         for label in EXPLORE_ORDER:
             if label not in self.rule.config.candidates or label in excluded:
@@ -192,6 +194,9 @@ class Chooser(SSDCap):
                     continue
             self._tries[(bucket, label)] = tries + 1
             return plan
+        if inputs is not None and self._v_pending(bucket, inputs.batch_size):
+            self._v_waits[bucket] = self._v_waits.get(bucket, 0) + 1
+            return Plan.AR  # SSD waits for the cap's v, which this AR round times (`calibrate`)
         return None
 
     def _times_timed(self, label: str, bucket: int) -> int:

@@ -73,7 +73,6 @@ class SSDDecode(DecodeStrategy):
         self.telemetry = RoundTelemetry(estimates, self.planner, stats, None if backup is None else backup.name)
         self.draft = DraftSide(draft_model, runner.model.hf_parameters(), config, stats,
                                runner.cache.num_slots, max_model_len or runner.max_len)
-        self.chooser.shares_cores = self.draft.cores is not None
         # SD rounds (and, Saguaro off, SSD's misses) while a worker process holds a CPU core: the SD
         # engine's own speculator, in this process on every core (the worker would draft on its one
         # core). Taken up at the first round that drafts with it (on every core; it prefills the live
@@ -87,6 +86,7 @@ class SSDDecode(DecodeStrategy):
     def step(self, running: list[Sequence]) -> int:
         """One round: its plan, docs/THEORY.md §2's four steps (module docstring), then its counts."""
         t0 = time.perf_counter()
+        self.chooser.shares_cores = self.draft.cores is not None  # (none after a worker failure)
         plan = self.chooser.choose(len(running), fallback=self.draft.fallback, tail=call_tail(running),
                                    cold=all(self.draft.is_first_round(s) for s in running))
         fanout = self.planner.plan(cap=self.chooser.budget_cap(len(running), plan))

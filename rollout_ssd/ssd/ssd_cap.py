@@ -1,7 +1,7 @@
 """The SSD cap: which SSD plans the chooser (ssd/chooser.py) leaves out at a batch size because they cannot
 beat what was measured there (Corollary 9's cap in tokens per second, `_excluded`), and the one-core times
 its v needs beside a worker process (`narrow_verify`, `_time_verify_shape`): a mixin of `Chooser`, whose
-state (rule, estimates, config, shares_cores) it reads.
+state (rule, estimates, config, shares_cores, _v_waits) it reads.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from rollout_ssd.ssd.rule import StrategyInputs, expected_tokens_per_round
 from rollout_ssd.ssd.timed_forward import timed_forward
 
 VERIFY_SHAPE_MAX_ROWS = 64  # beyond: the one-core step is an AR step (a verify's shape there costs a verify or more)
+V_WAIT_ROUNDS = 3  # AR rounds exploring waits for v at a bucket (a round of first rounds times nothing)
 
 
 class SSDCap:
@@ -44,10 +45,14 @@ class SSDCap:
         return set()
 
     def _v_pending(self, bucket: int, batch: int) -> bool:
-        """Beside a worker, the cap's v not yet timed here though the cap at v = 1 leaves SSD in: SSD waits
-        for it (the next AR or SD round times it; bench/RESULTS.md, "The layer kernel's arithmetic ...")."""
-        name = "verify_narrow" if batch * (self.config.k + 1) <= VERIFY_SHAPE_MAX_ROWS else "decode_narrow"
-        return self.shares_cores and not self.estimates.measured(name, bucket) and self._needs_verify_shape(bucket, batch)
+        """Beside a worker, the cap's v not yet timed here (neither of `_ssd_cap`'s sources) though the cap at
+        v = 1 leaves SSD in: SSD waits for it (the next AR or SD round times it; `_explore` runs AR rounds for
+        it, V_WAIT_ROUNDS at most; bench/RESULTS.md, "The layer kernel's arithmetic on every thread ...")."""
+        est = self.estimates
+        known = (est.measured("verify_narrow", bucket) and est.measured("plain_verify", bucket)) \
+            or (est.measured("decode_narrow", bucket) and est.measured("decode", bucket))
+        return self.shares_cores and not known and self._v_waits.get(bucket, 0) < V_WAIT_ROUNDS \
+            and self._needs_verify_shape(bucket, batch)
 
     def _cap_question(self, bucket: int, scores: dict[str, float]) -> tuple[list[str], float]:
         """The SSD plans not yet timed at this bucket and the best measured AR / plain rate they must beat

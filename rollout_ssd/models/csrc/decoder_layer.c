@@ -59,23 +59,24 @@ static inline uint16_t bmul(uint16_t a, uint16_t b) { return f32_to_bf16(bf16_to
    costs more than a few rows' arithmetic). */
 #define GLUE_PARALLEL_ROWS 4
 
+/* o = RMSNorm(x) for one vector of n (o may be x) */
+static void rms_row(const uint16_t *x, long n, const uint16_t *w, float eps, uint16_t *o) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (long i = 0; i < n; i++) {
+        float v = bf16_to_f32(x[i]);
+        ss += v * v;
+    }
+    float inv = 1.0f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+    for (long i = 0; i < n; i++) o[i] = bmul(w[i], f32_to_bf16(bf16_to_f32(x[i]) * inv));
+}
+
 /* out[r] = RMSNorm(x[r]) for `rows` vectors of n at stride `stride` (in and out alike) */
 static void rms_rows(const uint16_t *x, long rows, long n, long stride, const uint16_t *w, float eps,
                      uint16_t *out, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows >= GLUE_PARALLEL_ROWS)
-    for (long r = 0; r < rows; r++) {
-        const uint16_t *xr = x + r * stride;
-        uint16_t *o = out + r * stride;
-        float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-        for (long i = 0; i < n; i++) {
-            float v = bf16_to_f32(xr[i]);
-            ss += v * v;
-        }
-        float inv = 1.0f / sqrtf(ss / (float)n + eps);
-#pragma omp simd
-        for (long i = 0; i < n; i++) o[i] = bmul(w[i], f32_to_bf16(bf16_to_f32(xr[i]) * inv));
-    }
+    for (long r = 0; r < rows; r++) rms_row(x + r * stride, n, w, eps, out + r * stride);
 }
 
 /* RoPE over `heads` vectors of d (in place) with one token's cos and signed sin */
@@ -136,8 +137,8 @@ int decoder_layer(uint16_t *x, long b, long t, long hidden, long hq, long hkv, l
     for (long r = 0; r < m; r++) {
         uint16_t *row = qkv + r * nqkv;
         if (q_norm) {
-            rms_rows(row, hq, d, d, q_norm, eps, row, 1);
-            rms_rows(row + nq, hkv, d, d, k_norm, eps, row + nq, 1);
+            for (long hh = 0; hh < hq; hh++) rms_row(row + hh * d, d, q_norm, eps, row + hh * d);
+            for (long hh = 0; hh < hkv; hh++) rms_row(row + nq + hh * d, d, k_norm, eps, row + nq + hh * d);
         }
         rope_heads(row, hq + hkv, d, cos + r * d, ss + r * d);
     }

@@ -48,10 +48,14 @@ static inline float exp_reduced(float x) {
    the maximum's 1). */
 static inline float exp_nonpositive(float x) { return exp_reduced(x < -87.0f ? -87.0f : x); }
 
-/* e^x for any x: +inf past 88 (e^88.7 overflows float32), e^-87 below -87; NaN stays NaN. */
+/* e^x for any x: past 88 as 2 e^(x - ln 2) (2^n with n = 128 has no float32 exponent), +inf past
+   88.7228 where float32 overflows; e^-87 below -87 (a floor: 1 + e^x is 1 there); NaN stays NaN (and never
+   reaches the float-to-int conversion). Branch-free, so loops over it vectorize. */
 static inline float exp_any(float x) {
-    float e = exp_reduced(x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x);
-    return x > 88.0f ? INFINITY : x != x ? x : e;
+    float lo = x != x ? 0.0f : x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    float hi = x > 88.0f && x <= 88.7228f ? x - 0.693147181f : 0.0f;
+    float e = exp_reduced(lo), e2 = 2.0f * exp_reduced(hi);
+    return x != x ? x : x > 88.7228f ? INFINITY : x > 88.0f ? e2 : e;
 }
 
 static inline const void *row_at(const void *base, int f32, long offset) {
