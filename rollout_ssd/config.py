@@ -102,10 +102,18 @@ ATTENTION = ("auto", "sdpa", "triton")
 COMPILE = ("frozen", "live")  # EngineConfig.compile's modes (rollout_ssd/gpu/graphs.py)
 
 
+CPU_MAX_BATCH = 128  # EngineConfig.max_batch_size=None on a CPU ...
+CPU_KV_MEMORY_SHARE = 0.5  # ... as far as this share of the memory available holds their KV at full length
+GPU_MAX_BATCH = 32  # ... and on a GPU (then lowered to what its free memory holds)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Batching, memory and the GPU path. max_batch_size: sequences decoded together (= KV slots, fewer
-    when the memory limits below say so).
+    when the memory limits below say so); None (the default): CPU_MAX_BATCH on a CPU, fewer where
+    CPU_KV_MEMORY_SHARE of the memory available would not hold their KV at max_model_len (a CPU step of
+    128 rows costs far less than four of 32: bench/RESULTS.md, "The layer kernel's arithmetic on every
+    thread"), GPU_MAX_BATCH on a GPU.
     max_model_len: prompt + generated tokens per sequence (default: the model's context, capped at 2048).
     kv_cache_bytes: optional cap on the KV cache; max_batch_size is lowered to fit under it.
     gpu_memory_utilization: used when the target is on a CUDA device and kv_cache_bytes is None: the KV
@@ -132,7 +140,7 @@ class EngineConfig:
     Triton's interpreter only (TRITON_INTERPRET=1 set before triton is first imported: for tests), and
     is a ValueError otherwise."""
 
-    max_batch_size: int = 32
+    max_batch_size: Optional[int] = None
     max_model_len: Optional[int] = None
     kv_cache_bytes: Optional[int] = None
     gpu_memory_utilization: float = 0.9
@@ -141,8 +149,9 @@ class EngineConfig:
     compile: Union[bool, str] = False
 
     def __post_init__(self):
-        if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
-            raise ValueError(f"EngineConfig.max_batch_size must be an integer >= 1, got {self.max_batch_size!r}")
+        if self.max_batch_size is not None and (not isinstance(self.max_batch_size, int) or isinstance(
+                self.max_batch_size, bool) or self.max_batch_size < 1):
+            raise ValueError(f"EngineConfig.max_batch_size must be an integer >= 1 or None, got {self.max_batch_size!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"EngineConfig.max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if self.kv_cache_bytes is not None and (not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes < 1):

@@ -20,13 +20,14 @@ from typing import Sequence as Seq
 import torch
 
 from rollout_ssd import metric_names as names
-from rollout_ssd.config import EngineConfig, SpecConfig, reject_unknown
+from rollout_ssd.config import CPU_KV_MEMORY_SHARE, CPU_MAX_BATCH, GPU_MAX_BATCH, EngineConfig, SpecConfig, reject_unknown
 from rollout_ssd.decode import DecodeStrategy
 from rollout_ssd.draft_sync import DraftSync
 from rollout_ssd.edges import Edges
 from rollout_ssd.kv_cache import KVCache
 from rollout_ssd.methods import BuildContext, make_strategy
 from rollout_ssd.metrics import EngineMetrics
+from rollout_ssd.models import cpu_memory
 from rollout_ssd.models.attention import cache_dtype, select_backend
 from rollout_ssd.models.cpu_backend import warm_packed
 from rollout_ssd.models.cpu_memory import keep_freed_memory
@@ -49,8 +50,8 @@ def _context(target: LoadedModel, engine: EngineConfig, spec: SpecConfig,
         raise ValueError(f"EngineConfig.max_model_len={engine.max_model_len} exceeds the model's context "
                          f"(max_position_embeddings={cfg.max_position_embeddings})")
     max_len = engine.max_model_len or min(cfg.max_position_embeddings, 2048)
-    slots = engine.max_batch_size
     per_slot = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache_dtype(target.model)) * max_len
+    slots = engine.max_batch_size or _default_batch(target.model.embed.device, per_slot)
     if engine.kv_cache_bytes is not None:
         slots = min(slots, engine.kv_cache_bytes // per_slot)
         if slots < 1:
@@ -59,12 +60,22 @@ def _context(target: LoadedModel, engine: EngineConfig, spec: SpecConfig,
                 f"max_model_len={max_len} ({per_slot} bytes)"
             )
     else:
-        slots = _slots_on_gpu(target, engine, spec, draft, max_len, per_slot) or slots
+        slots = _slots_on_gpu(target, engine, spec, draft, max_len, per_slot, slots) or slots
     return max_len, slots
 
 
+def _default_batch(device: torch.device, per_slot: int) -> int:
+    """EngineConfig.max_batch_size=None: GPU_MAX_BATCH on a GPU; on a CPU CPU_MAX_BATCH, fewer (at least
+    one) where CPU_KV_MEMORY_SHARE of the memory available does not hold that many sequences' KV at full
+    length (the CPU cache is backed as it fills, so too many slots would fail mid-call, not at start)."""
+    if device.type != "cpu":
+        return GPU_MAX_BATCH
+    free = cpu_memory.available_bytes()
+    return CPU_MAX_BATCH if free is None else max(1, min(CPU_MAX_BATCH, int(CPU_KV_MEMORY_SHARE * free) // per_slot))
+
+
 def _slots_on_gpu(target: LoadedModel, engine: EngineConfig, spec: SpecConfig, draft: Optional[LoadedModel],
-                  max_len: int, per_slot: int) -> Optional[int]:
+                  max_len: int, per_slot: int, slots: int) -> Optional[int]:
     """KV slots that fit in the target GPU's free memory (gpu/memory.py), None off CUDA. A slot costs the
     target's KV of one full sequence plus the draft's when the draft's KV lives on the same device (SD's
     draft model; SSD's draft side unless `draft_device` puts it on another one), and the step reserve
@@ -78,7 +89,7 @@ def _slots_on_gpu(target: LoadedModel, engine: EngineConfig, spec: SpecConfig, d
     measured = memory.device_memory(device)
     if measured is None:
         return None
-    rows = engine.max_batch_size  # a static step pads its rows to the bucket
+    rows = slots  # a static step pads its rows to the bucket
     rows = bucket_for(rows) if engine.cuda_graphs and rows <= BUCKETS[-1] else rows
     reserve = memory.FIXED_MARGIN_BYTES + memory.step_reserve_bytes(
         target.model.cfg, target.model.dtype, rows, MAX_STEP_TOKENS, PREFILL_TOKENS_PER_FORWARD, max_len)
@@ -100,8 +111,7 @@ def _slots_on_gpu(target: LoadedModel, engine: EngineConfig, spec: SpecConfig, d
         reserve += tree_bytes + memory.step_reserve_bytes(dcfg, draft.model.dtype, rows, MAX_STEP_TOKENS,
                                                           PREFILL_TOKENS_PER_FORWARD, draft_len)
     free, total = measured
-    return memory.kv_slots_that_fit(free, total, per_slot, reserve, engine.gpu_memory_utilization,
-                                    engine.max_batch_size)
+    return memory.kv_slots_that_fit(free, total, per_slot, reserve, engine.gpu_memory_utilization, slots)
 
 
 class RolloutEngine:

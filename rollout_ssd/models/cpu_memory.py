@@ -54,3 +54,19 @@ def keep_freed_memory() -> bool:
     _applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     log.info("malloc settings: freed blocks kept for reuse (%s)", "applied" if _applied else "mallopt refused")
     return _applied
+
+
+def available_bytes() -> int | None:
+    """The memory this machine can give without swapping: Linux's MemAvailable (which counts the page cache
+    it can drop), else the free physical pages; None where neither can be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None

@@ -24,7 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument("--k", type=int, default=None, help="draft tokens per round (SpecConfig.k)")
     p.add_argument("--speculator", default=None, help="SD's speculator: draft, suffix or random")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help="sequences decoded together (default: EngineConfig's: 128 on a CPU as memory allows, 32 on a GPU)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
     p.add_argument("--host", default="127.0.0.1")
