@@ -1117,7 +1117,8 @@ def test_ssd_waits_for_the_caps_one_core_time_beside_a_worker(shares_cores, narr
 @pytest.mark.parametrize("v", [None, 0.69, 0.74])
 def test_beside_a_worker_exploring_waits_for_v_with_ar_rounds_then_the_cap_decides(v):
     """The exploring order of the test above, beside a worker: once SD was timed and the cap at v = 1 (87.0
-    tok/s) beats it (62.2), the chooser runs AR rounds (whose calibration times v) instead of deciding, and
+    tok/s) beats it (62.2), the chooser runs rounds of the better of AR and SD (SD here: its own verify
+    times v on the target's core, `narrow_verify`) instead of deciding, and
     explores SSD only if the measured v lets it in (0.74: in, 0.69: out). Never timed (None), it waits
     V_WAIT_ROUNDS rounds and then explores SSD at v = 1, as without a worker; the bucket stays undecided
     while it waits."""
@@ -1134,10 +1135,11 @@ def test_beside_a_worker_exploring_waits_for_v_with_ar_rounds_then_the_cap_decid
         assert chooser.choose(1) is Plan.SD
         est.observe_time("plain_verify", 0.025, 1)
         est.observe_time("plain_draft", 0.01, 1)
-    assert chooser.choose(1) is Plan.AR and chooser.budget_cap(1) is not None  # waiting: not decided
+    assert chooser.choose(1) is Plan.SD and chooser.budget_cap(1) is not None  # waiting: not decided
+    assert chooser.narrow_verify(1, cores=object())  # that round's verify times v
     if v is not None:
-        est.observe_time("decode_narrow", 0.02 / v, 1)  # what that AR round's calibration times
+        est.observe_time("verify_narrow", 0.025 / v, 1)  # what it records
     else:
-        assert [chooser.choose(1) for _ in range(V_WAIT_ROUNDS - 1)] == [Plan.AR] * (V_WAIT_ROUNDS - 1)
+        assert [chooser.choose(1) for _ in range(V_WAIT_ROUNDS - 1)] == [Plan.SD] * (V_WAIT_ROUNDS - 1)
     plans = [chooser.choose(1) for _ in range(config.decide_after)]
     assert plans == ([Plan.SD] * config.decide_after if v == 0.69 else [Plan.SSD_DRAFT] * config.decide_after)

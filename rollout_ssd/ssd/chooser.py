@@ -172,7 +172,7 @@ class Chooser(SSDCap):
         larger bucket that scores so far below here (a GRPO call's batch shrinks: bench/RESULTS.md, "The
         float32 rows kernel"). Each round emits tokens; a round of first rounds times nothing, hence one
         try more than the timed rounds needed. `scores`: the rule's for `inputs` (empty: nothing timed). Where
-        SSD waits for the cap's v beside a worker (`_v_pending`), AR rounds that time it come first."""
+        SSD waits for the cap's v beside a worker (`_v_pending`), rounds of the better of AR and SD time it."""
         excluded = self._excluded(bucket, inputs, scores) if inputs is not None else set()
         for label in EXPLORE_ORDER:
             if label not in self.rule.config.candidates or label in excluded:
@@ -194,9 +194,10 @@ class Chooser(SSDCap):
                     continue
             self._tries[(bucket, label)] = tries + 1
             return plan
-        if inputs is not None and self._v_pending(bucket, inputs.batch_size):
-            self._v_waits[bucket] = self._v_waits.get(bucket, 0) + 1
-            return Plan.AR  # SSD waits for the cap's v, which this AR round times (`calibrate`)
+        if inputs is not None and self._v_pending(bucket, inputs.batch_size):  # SSD waits for the cap's v:
+            self._v_waits[bucket] = self._v_waits.get(bucket, 0) + 1  # the better of AR and SD times it
+            return Plan(max((c for c in ("sd", "ar") if c in scores and c in self.rule.config.candidates),
+                            key=scores.get, default="ar"))  # (`calibrate`; an SD round by its own verify)
         return None
 
     def _times_timed(self, label: str, bucket: int) -> int:
