@@ -2,7 +2,10 @@
 
    out[b, h, t] = softmax(scale * q[b, h, t] . k[b, h / g, l], over the keys l that mask[b, t] shows) @ v[b, h / g]
    with g = Hq / Hkv query heads per KV head (GQA). One task per (row, KV head): its keys and values are
-   read once for all g * T queries that use them, converted to float32 (16 at a time on AVX-512); scores, softmax and
+   read once for all g * T queries that use them, converted to float32 (16 at a time on AVX-512, the values
+   in registers as P @ V reads them, and asked into L2 while the scores of the same keys run: a task's
+   few kilobytes are too short a stream for the hardware prefetcher; the loops specialised for head dims
+   64 and 128, so that the accumulators stay in registers); scores, softmax and
    P @ V are float32 (the probabilities are not rounded to 16 bits, unlike PyTorch's CPU flash kernel);
    each output is rounded once to bf16, to nearest even, as torch's cast rounds.
 
@@ -109,50 +112,94 @@ static inline void block16(float *kb, const void *k, int f32, long base, long sl
 
 /* The scores and P @ V of `task` with AVX-512, for head dims of 16..128 in steps of 16: keys and values
    converted 16 at a time into kb (L1-resident) and read from there by every query row. */
+/* The scores of the keys j0..j0+n-1 (widened into kb) for one query row, CHUNKS = d / 16 a constant where it
+   is inlined (the query's chunks stay in registers): each score is q . k over the chunks in order, then the
+   16 lanes (sum16), times scale. */
+static inline __attribute__((always_inline)) void score_row(const float *qr, const float *kb, const int chunks,
+                                                            float scale, const uint8_t *mrow, int n, float *sr) {
+    __m512 part[16];
+    for (int jj = 0; jj < 16; jj++) {
+        __m512 p = _mm512_mul_ps(_mm512_loadu_ps(qr), _mm512_loadu_ps(kb + jj * chunks * 16));
+        for (int c = 1; c < chunks; c++)
+            p = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), _mm512_loadu_ps(kb + jj * chunks * 16 + 16 * c), p);
+        part[jj] = p;
+    }
+    float dots[16];
+    _mm512_storeu_ps(dots, _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale)));
+    for (int jj = 0; jj < n; jj++) sr[jj] = mrow && !mrow[jj] ? -INFINITY : dots[jj];
+}
+
 static void scores_avx512(const float *qf, const void *k, int f32, long kbase, long ksl, const uint8_t *mrow0,
-                          int t, int rows, int l, int d, float scale, float *s, float *kb) {
+                          int t, int rows, int l, int d, float scale, float *s, float *kb, const void *v, long vbase,
+                          long vsl) {
     int chunks = d / 16;
+    const int bytes = d * (f32 ? 4 : 2);
     for (int j0 = 0; j0 < l; j0 += 16) {
         int n = l - j0 < 16 ? l - j0 : 16;
+        for (int jj = 0; jj < n; jj++)  /* the same keys' values, into L2 for P @ V */
+            for (int off = 0; off < bytes; off += 64)
+                _mm_prefetch((const char *)row_at(v, f32, vbase + (j0 + jj) * vsl) + off, _MM_HINT_T1);
         block16(kb, k, f32, kbase, ksl, j0, n, d);
         for (int r = 0; r < rows; r++) {
             const float *qr = qf + (size_t)r * d;
-            __m512 part[16];
-            for (int jj = 0; jj < 16; jj++) {
-                __m512 p = _mm512_mul_ps(_mm512_loadu_ps(qr), _mm512_loadu_ps(kb + jj * d));
-                for (int c = 1; c < chunks; c++)
-                    p = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), _mm512_loadu_ps(kb + jj * d + 16 * c), p);
-                part[jj] = p;
-            }
-            float dots[16], *sr = s + (size_t)r * l + j0;
-            _mm512_storeu_ps(dots, _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale)));
             const uint8_t *mrow = mrow0 ? mrow0 + (size_t)(r % t) * l + j0 : NULL;
-            for (int jj = 0; jj < n; jj++) sr[jj] = mrow && !mrow[jj] ? -INFINITY : dots[jj];
+            float *sr = s + (size_t)r * l + j0;
+            if (chunks == 4)
+                score_row(qr, kb, 4, scale, mrow, n, sr);
+            else if (chunks == 8)
+                score_row(qr, kb, 8, scale, mrow, n, sr);
+            else
+                score_row(qr, kb, chunks, scale, mrow, n, sr);
         }
     }
 }
 
+/* P @ V over the keys j0..j0+n-1 for rows r0..r0+NR-1, NR <= 4 and CHUNKS = d / 16 constants where it is
+   inlined, so the accumulators stay in registers; each value row is widened to float32 in registers as it
+   is read (no copy). Every output element sums p * v over the keys in key order, one FMA each. */
+static inline __attribute__((always_inline)) void pv_rows(const float *s, const void *v, int f32, long vbase,
+                                                          long vsl, int l, int j0, int n, int r0, const int nr,
+                                                          const int chunks, float *acc) {
+    __m512 a[4][8];
+    for (int rr = 0; rr < nr; rr++)
+        for (int c = 0; c < chunks; c++) a[rr][c] = _mm512_loadu_ps(acc + (size_t)(r0 + rr) * chunks * 16 + 16 * c);
+    for (int jj = 0; jj < n; jj++) {
+        __m512 vr[8];
+        for (int c = 0; c < chunks; c++) vr[c] = load16(v, f32, vbase + (j0 + jj) * vsl + 16 * c);
+        for (int rr = 0; rr < nr; rr++) {
+            float p = s[(size_t)(r0 + rr) * l + j0 + jj];
+            if (p == 0.0f) continue;
+            __m512 pp = _mm512_set1_ps(p);
+            for (int c = 0; c < chunks; c++) a[rr][c] = _mm512_fmadd_ps(pp, vr[c], a[rr][c]);
+        }
+    }
+    for (int rr = 0; rr < nr; rr++)
+        for (int c = 0; c < chunks; c++) _mm512_storeu_ps(acc + (size_t)(r0 + rr) * chunks * 16 + 16 * c, a[rr][c]);
+}
+
+#define PV_ROWS(NR, CHUNKS) pv_rows(s, v, f32, vbase, vsl, l, j0, n, r0, NR, CHUNKS, acc)
+#define PV_CHUNKS(CHUNKS)                                                                      \
+    switch (nr) {                                                                              \
+        case 1: PV_ROWS(1, CHUNKS); break;                                                     \
+        case 2: PV_ROWS(2, CHUNKS); break;                                                     \
+        case 3: PV_ROWS(3, CHUNKS); break;                                                     \
+        default: PV_ROWS(4, CHUNKS); break;                                                    \
+    }
+
 static void pv_avx512(const float *s, const void *v, int f32, long vbase, long vsl, int rows, int l, int d,
-                      float *acc, float *vb) {
+                      float *acc) {
     int chunks = d / 16;
-    for (int j0 = 0; j0 < l; j0 += 16) {
+    for (int j0 = 0; j0 < l; j0 += 16) {  /* 16 keys at a time: their values stay in L1 for every row group */
         int n = l - j0 < 16 ? l - j0 : 16;
-        block16(vb, v, f32, vbase, vsl, j0, n, d);
         for (int r0 = 0; r0 < rows; r0 += 4) {
             int nr = rows - r0 < 4 ? rows - r0 : 4;
-            __m512 a[4][8];
-            for (int rr = 0; rr < nr; rr++)
-                for (int c = 0; c < chunks; c++) a[rr][c] = _mm512_loadu_ps(acc + (size_t)(r0 + rr) * d + 16 * c);
-            for (int jj = 0; jj < n; jj++)
-                for (int rr = 0; rr < nr; rr++) {
-                    float p = s[(size_t)(r0 + rr) * l + j0 + jj];
-                    if (p == 0.0f) continue;
-                    __m512 pp = _mm512_set1_ps(p);
-                    for (int c = 0; c < chunks; c++)
-                        a[rr][c] = _mm512_fmadd_ps(pp, _mm512_loadu_ps(vb + jj * d + 16 * c), a[rr][c]);
-                }
-            for (int rr = 0; rr < nr; rr++)
-                for (int c = 0; c < chunks; c++) _mm512_storeu_ps(acc + (size_t)(r0 + rr) * d + 16 * c, a[rr][c]);
+            if (chunks == 4) {
+                PV_CHUNKS(4)
+            } else if (chunks == 8) {
+                PV_CHUNKS(8)
+            } else {
+                pv_rows(s, v, f32, vbase, vsl, l, j0, n, r0, nr, chunks, acc);
+            }
         }
     }
 }
@@ -174,7 +221,7 @@ static int task(const uint16_t *q, const void *k, const void *v, int f32, long k
     int fast = d % 16 == 0 && d >= 16 && d <= 128;
     if (fast)
         scores_avx512(qf, k, f32, b * ksb + h * ksh, ksl, mask ? mask + (size_t)b * t * l : NULL, t, rows, l, d,
-                      scale, s, kf);
+                      scale, s, kf, v, b * vsb + h * vsh, vsl);
 #else
     int fast = 0;
 #endif
@@ -215,7 +262,7 @@ static int task(const uint16_t *q, const void *k, const void *v, int f32, long k
     }
     memset(acc, 0, sizeof(float) * (size_t)rows * d);
 #if defined(__AVX512F__)
-    if (fast) pv_avx512(s, v, f32, b * vsb + h * vsh, vsl, rows, l, d, acc, kf);
+    if (fast) pv_avx512(s, v, f32, b * vsb + h * vsh, vsl, rows, l, d, acc);
 #endif
     for (int j = 0; j < l && !fast; j++) {
         load_row(kf, row_at(v, f32, b * vsb + h * vsh + j * vsl), f32, d);
