@@ -51,7 +51,7 @@ def _context(target: LoadedModel, engine: EngineConfig, spec: SpecConfig,
                          f"(max_position_embeddings={cfg.max_position_embeddings})")
     max_len = engine.max_model_len or min(cfg.max_position_embeddings, 2048)
     per_slot = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache_dtype(target.model)) * max_len
-    slots = engine.max_batch_size or _default_batch(target.model.embed.device, per_slot)
+    slots = engine.max_batch_size or _default_batch(target.model.embed.device, per_slot + _draft_kv(draft, spec, max_len))
     if engine.kv_cache_bytes is not None:
         slots = min(slots, engine.kv_cache_bytes // per_slot)
         if slots < 1:
@@ -64,10 +64,26 @@ def _context(target: LoadedModel, engine: EngineConfig, spec: SpecConfig,
     return max_len, slots
 
 
+def _draft_kv(draft: Optional[LoadedModel], spec: SpecConfig, max_len: int) -> int:
+    """The draft's KV bytes per sequence, for a CPU engine's default batch: SD's draft cache; under SSD the
+    draft side's (room for its tree) and the SD speculator's beside it (ssd/round.py)."""
+    if draft is None or spec.method == "ar" or (spec.method == "sd" and spec.speculator != "draft"):
+        return 0
+    d = draft.model.cfg
+    per_token = KVCache.bytes_per_token(d.num_layers, d.num_kv_heads, d.head_dim, cache_dtype(draft.model))
+    if spec.method == "sd":
+        return per_token * max_len
+    from rollout_ssd.ssd.draft_server import draft_max_len
+
+    ssd = spec.ssd_config()
+    return per_token * (draft_max_len(max_len, ssd.k, ssd.max_branches) + max_len)
+
+
 def _default_batch(device: torch.device, per_slot: int) -> int:
     """EngineConfig.max_batch_size=None: GPU_MAX_BATCH on a GPU; on a CPU CPU_MAX_BATCH, fewer (at least
-    one) where CPU_KV_MEMORY_SHARE of the memory available does not hold that many sequences' KV at full
-    length (the CPU cache is backed as it fills, so too many slots would fail mid-call, not at start)."""
+    one) where CPU_KV_MEMORY_SHARE of the memory available does not hold that many sequences' KV (the
+    target's and the draft's, `per_slot`) at full length (the CPU cache is backed as it fills, so too many
+    slots would fail mid-call, not at start). SSD's tree buffers are not counted (bounded by max_budget)."""
     if device.type != "cpu":
         return GPU_MAX_BATCH
     free = cpu_memory.available_bytes()

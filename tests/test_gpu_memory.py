@@ -142,3 +142,30 @@ def test_gpu_memory_utilization_is_validated(value):
     with pytest.raises(ValueError, match="gpu_memory_utilization must be a number in \\(0, 1\\]"):
         EngineConfig(gpu_memory_utilization=value)
     assert EngineConfig(gpu_memory_utilization=1).gpu_memory_utilization == 1
+
+
+def test_the_default_batch_on_a_cpu_is_128_as_far_as_half_the_memory_available_holds_it(monkeypatch, pair):
+    """EngineConfig.max_batch_size=None: CPU_MAX_BATCH KV slots on a CPU where CPU_KV_MEMORY_SHARE of the
+    memory available holds their KV at max_model_len (the target's, and SD's draft's), else as many as it
+    holds (at least one); unknown memory: CPU_MAX_BATCH; an explicit max_batch_size stands whatever the
+    memory."""
+    from rollout_ssd.config import CPU_KV_MEMORY_SHARE, CPU_MAX_BATCH
+    from rollout_ssd.models import cpu_memory
+
+    target, draft = pair
+    per_slot = _per_token(target.model) * 64
+    with_draft = per_slot + _per_token(draft.model) * 64
+    assert cpu_memory.available_bytes() > 0  # this machine's, read
+
+    def slots(free, spec=SpecConfig(), **engine):
+        monkeypatch.setattr(cpu_memory, "available_bytes", lambda: free)
+        config = EngineConfig(max_model_len=64, **engine)
+        made = RolloutEngine(target, spec, config, draft=None if spec.method == "ar" else draft)
+        made.close()
+        return made.runner.cache.num_slots
+    assert slots(None) == CPU_MAX_BATCH
+    assert slots(int(CPU_MAX_BATCH * per_slot / CPU_KV_MEMORY_SHARE)) == CPU_MAX_BATCH
+    assert slots(int(5.5 * per_slot / CPU_KV_MEMORY_SHARE)) == 5
+    assert slots(int(5.5 * with_draft / CPU_KV_MEMORY_SHARE), SpecConfig(method="sd", k=3)) == 5
+    assert slots(0) == 1
+    assert slots(0, max_batch_size=8) == 8

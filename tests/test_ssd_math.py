@@ -1115,7 +1115,7 @@ def test_ssd_waits_for_the_caps_one_core_time_beside_a_worker(shares_cores, narr
 
 
 @pytest.mark.parametrize("v", [None, 0.69, 0.74])
-def test_beside_a_worker_exploring_waits_for_v_with_ar_rounds_then_the_cap_decides(v):
+def test_beside_a_worker_exploring_waits_for_v_then_the_cap_decides(v):
     """The exploring order of the test above, beside a worker: once SD was timed and the cap at v = 1 (87.0
     tok/s) beats it (62.2), the chooser runs rounds of the better of AR and SD (SD here: its own verify
     times v on the target's core, `narrow_verify`) instead of deciding, and

@@ -57,16 +57,26 @@ def keep_freed_memory() -> bool:
 
 
 def available_bytes() -> int | None:
-    """The memory this machine can give without swapping: Linux's MemAvailable (which counts the page cache
-    it can drop), else the free physical pages; None where neither can be read."""
+    """The memory this process can take without swapping or meeting its cgroup's limit: Linux's MemAvailable
+    (which counts the page cache it can drop; else the free physical pages), less where the cgroup (v2) it
+    runs in allows less (a container's memory.max less its memory.current); None where neither can be read."""
+    free = None
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+            free = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
     except (OSError, ValueError, IndexError):
         pass
+    if free is None:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, AttributeError):
+            return None
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, AttributeError):
-        return None
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                free = min(free, max(0, int(limit) - int(f.read().strip())))
+    except (OSError, ValueError):
+        pass
+    return free

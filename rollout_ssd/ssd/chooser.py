@@ -70,7 +70,7 @@ class Chooser(SSDCap):
         self._decided_rounds: dict[int, int] = {}  # batch_bucket -> rounds decided there
         self._tail_round = False  # this round runs a long call's tail plan: nothing is calibrated (`choose`)
         self.shares_cores = False  # a worker process holds a CPU core beside the target (ssd/cores.py; round.py sets it)
-        self._v_waits: dict[int, int] = {}  # batch_bucket -> AR rounds `_explore` ran there for the cap's v (ssd_cap.py)
+        self._v_waits: dict[int, int] = {}  # batch_bucket -> rounds `_explore` ran there for the cap's v (ssd_cap.py)
 
     def kept_choices(self) -> dict[str, str]:
         """The plan chosen at each batch bucket, as JSON data (ssd/rule_cache.py keeps it)."""
@@ -194,10 +194,14 @@ class Chooser(SSDCap):
                     continue
             self._tries[(bucket, label)] = tries + 1
             return plan
-        if inputs is not None and self._v_pending(bucket, inputs.batch_size):  # SSD waits for the cap's v:
-            self._v_waits[bucket] = self._v_waits.get(bucket, 0) + 1  # the better of AR and SD times it
-            return Plan(max((c for c in ("sd", "ar") if c in scores and c in self.rule.config.candidates),
-                            key=scores.get, default="ar"))  # (`calibrate`; an SD round by its own verify)
+        if inputs is not None and self._v_pending(bucket, inputs.batch_size):
+            # SSD waits for the cap's v: a round of the better of AR and SD times it (`calibrate`; an SD round
+            # by its own verify, whose `count_round(narrow=True)` gives back the try counted here)
+            self._v_waits[bucket] = self._v_waits.get(bucket, 0) + 1
+            plan = Plan(max((c for c in ("sd", "ar") if c in scores and c in self.rule.config.candidates),
+                            key=scores.get, default="ar"))
+            self._tries[(bucket, plan.label)] = self._tries.get((bucket, plan.label), 0) + 1
+            return plan
         return None
 
     def _times_timed(self, label: str, bucket: int) -> int:

@@ -17,7 +17,7 @@ from rollout_ssd.ssd.rule import StrategyInputs, expected_tokens_per_round
 from rollout_ssd.ssd.timed_forward import timed_forward
 
 VERIFY_SHAPE_MAX_ROWS = 64  # beyond: the one-core step is an AR step (a verify's shape there costs a verify or more)
-V_WAIT_ROUNDS = 3  # AR rounds exploring waits for v at a bucket (a round of first rounds times nothing)
+V_WAIT_ROUNDS = 3  # rounds exploring waits for v at a bucket (a round of first rounds times nothing)
 
 
 class SSDCap:
@@ -46,8 +46,8 @@ class SSDCap:
 
     def _v_pending(self, bucket: int, batch: int) -> bool:
         """Beside a worker, the cap's v not yet timed here (neither of `_ssd_cap`'s sources) though the cap at
-        v = 1 leaves SSD in: SSD waits for it (the next AR or SD round times it; `_explore` runs AR rounds for
-        it, V_WAIT_ROUNDS at most; bench/RESULTS.md, "The layer kernel's arithmetic on every thread ...")."""
+        v = 1 leaves SSD in: SSD waits for it (the next AR or SD round times it; `_explore` runs rounds of the
+        better of the two for it, V_WAIT_ROUNDS at most; bench/RESULTS.md, "The layer kernel's arithmetic ...")."""
         est = self.estimates
         known = (est.measured("verify_narrow", bucket) and est.measured("plain_verify", bucket)) \
             or (est.measured("decode_narrow", bucket) and est.measured("decode", bucket))

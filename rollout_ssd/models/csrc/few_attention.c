@@ -110,8 +110,9 @@ static inline void block16(float *kb, const void *k, int f32, long base, long sl
                                                           : _mm512_setzero_ps());
 }
 
-/* The scores and P @ V of `task` with AVX-512, for head dims of 16..128 in steps of 16: keys and values
-   converted 16 at a time into kb (L1-resident) and read from there by every query row. */
+/* The scores and P @ V of `task` with AVX-512, for head dims of 16..128 in steps of 16: keys converted 16
+   at a time into kb (L1-resident) and read from there by every query row; values widened as read. */
+
 /* The scores of the keys j0..j0+n-1 (widened into kb) for one query row, CHUNKS = d / 16 a constant where it
    is inlined (the query's chunks stay in registers): each score is q . k over the chunks in order, then the
    16 lanes (sum16), times scale. */
@@ -210,7 +211,7 @@ static int task(const uint16_t *q, const void *k, const void *v, int f32, long k
                 int t, int l, int d, float scale) {
     int g = hq / hkv, rows = g * t;
     if (rows <= 0 || d <= 0) return 0;
-    /* scratch: the queries [rows, d], 16 keys or values [16, d], scores [rows, l], accumulators [rows, d] */
+    /* scratch: the queries [rows, d], 16 keys [16, d] (or values: the plain loops), scores [rows, l], accumulators [rows, d] */
     float *qf = (float *)malloc(sizeof(float) * ((size_t)rows * d + 16 * (size_t)d + (size_t)rows * l + (size_t)rows * d));
     if (!qf) return -1;
     float *kf = qf + (size_t)rows * d, *s = kf + 16 * (size_t)d, *acc = s + (size_t)rows * l;
