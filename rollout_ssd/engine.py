@@ -42,7 +42,7 @@ from rollout_ssd.updates import TargetWeights, UpdateQueue
 
 def _context(target: LoadedModel, engine: EngineConfig, spec: SpecConfig,
              draft: Optional[LoadedModel]) -> tuple[int, int]:
-    """(max_model_len, KV slots) for this target under `engine`'s limits: max_batch_size slots, fewer
+    """(max_model_len, KV slots) for this target under `engine`'s limits: max_batch_size slots (None: `_default_batch`), fewer
     when kv_cache_bytes caps the cache or, on a CUDA target without that cap, when the GPU's free memory
     holds fewer (`_slots_on_gpu`)."""
     cfg = target.model.cfg
@@ -50,7 +50,7 @@ def _context(target: LoadedModel, engine: EngineConfig, spec: SpecConfig,
         raise ValueError(f"EngineConfig.max_model_len={engine.max_model_len} exceeds the model's context "
                          f"(max_position_embeddings={cfg.max_position_embeddings})")
     max_len = engine.max_model_len or min(cfg.max_position_embeddings, 2048)
-    per_slot = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache_dtype(target.model)) * max_len
+    per_slot = _kv_per_token(target) * max_len
     slots = engine.max_batch_size or _default_batch(target.model.embed.device, per_slot + _draft_kv(draft, spec, max_len))
     if engine.kv_cache_bytes is not None:
         slots = min(slots, engine.kv_cache_bytes // per_slot)
@@ -64,19 +64,32 @@ def _context(target: LoadedModel, engine: EngineConfig, spec: SpecConfig,
     return max_len, slots
 
 
+def _kv_per_token(loaded: LoadedModel) -> int:
+    """KV cache bytes per token of a model, in its cache's dtype (`attention.cache_dtype`)."""
+    cfg = loaded.model.cfg
+    return KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache_dtype(loaded.model))
+
+
+def _draft_cache_len(draft: Optional[LoadedModel], spec: SpecConfig, max_len: int) -> Optional[int]:
+    """Positions a sequence takes in the draft's KV cache: SD's draft model max_len, SSD's draft side its
+    room for a tree (`draft_max_len`); None where no draft model drafts."""
+    if draft is not None and spec.method == "sd" and spec.speculator == "draft":
+        return max_len
+    if draft is not None and spec.method == "ssd":
+        from rollout_ssd.ssd.draft_server import draft_max_len
+
+        ssd = spec.ssd_config()
+        return draft_max_len(max_len, ssd.k, ssd.max_branches)
+    return None
+
+
 def _draft_kv(draft: Optional[LoadedModel], spec: SpecConfig, max_len: int) -> int:
     """The draft's KV bytes per sequence, for a CPU engine's default batch: SD's draft cache; under SSD the
-    draft side's (room for its tree) and the SD speculator's beside it (ssd/round.py)."""
-    if draft is None or spec.method == "ar" or (spec.method == "sd" and spec.speculator != "draft"):
+    draft side's and the SD speculator's beside it (ssd/round.py)."""
+    length = _draft_cache_len(draft, spec, max_len)
+    if length is None:
         return 0
-    d = draft.model.cfg
-    per_token = KVCache.bytes_per_token(d.num_layers, d.num_kv_heads, d.head_dim, cache_dtype(draft.model))
-    if spec.method == "sd":
-        return per_token * max_len
-    from rollout_ssd.ssd.draft_server import draft_max_len
-
-    ssd = spec.ssd_config()
-    return per_token * (draft_max_len(max_len, ssd.k, ssd.max_branches) + max_len)
+    return _kv_per_token(draft) * (length + (max_len if spec.method == "ssd" else 0))
 
 
 def _default_batch(device: torch.device, per_slot: int) -> int:
@@ -109,21 +122,16 @@ def _slots_on_gpu(target: LoadedModel, engine: EngineConfig, spec: SpecConfig, d
     rows = bucket_for(rows) if engine.cuda_graphs and rows <= BUCKETS[-1] else rows
     reserve = memory.FIXED_MARGIN_BYTES + memory.step_reserve_bytes(
         target.model.cfg, target.model.dtype, rows, MAX_STEP_TOKENS, PREFILL_TOKENS_PER_FORWARD, max_len)
-    draft_len, draft_device, tree_bytes = None, None, 0
-    if draft is not None and spec.method == "sd" and spec.speculator == "draft":
-        draft_len, draft_device = max_len, draft.model.embed.device
-    elif draft is not None and spec.method == "ssd":
-        from rollout_ssd.ssd.draft_server import draft_max_len
-
+    draft_len, tree_bytes = _draft_cache_len(draft, spec, max_len), 0
+    draft_device = None if draft is None else draft.model.embed.device
+    if draft_len is not None and spec.method == "ssd":
         ssd = spec.ssd_config()
-        draft_len = draft_max_len(max_len, ssd.k, ssd.max_branches)
-        draft_device = torch.device(ssd.draft_device) if ssd.draft_device else draft.model.embed.device
+        draft_device = torch.device(ssd.draft_device) if ssd.draft_device else draft_device
         # the tree's float32 q [R, branches, k, V] and the cache entries' copy, and one step's logits
         tree_bytes = rows * ssd.max_branches * draft.model.cfg.vocab_size * (2 * 4 * ssd.k + 8)
     if draft_len is not None and resolved(draft_device) == resolved(device):
         dcfg = draft.model.cfg
-        per_slot += KVCache.bytes_per_token(dcfg.num_layers, dcfg.num_kv_heads, dcfg.head_dim,
-                                            cache_dtype(draft.model)) * draft_len
+        per_slot += _kv_per_token(draft) * draft_len
         reserve += tree_bytes + memory.step_reserve_bytes(dcfg, draft.model.dtype, rows, MAX_STEP_TOKENS,
                                                           PREFILL_TOKENS_PER_FORWARD, draft_len)
     free, total = measured

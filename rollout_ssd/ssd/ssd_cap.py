@@ -48,11 +48,17 @@ class SSDCap:
         """Beside a worker, the cap's v not yet timed here (neither of `_ssd_cap`'s sources) though the cap at
         v = 1 leaves SSD in: SSD waits for it (the next AR or SD round times it; `_explore` runs rounds of the
         better of the two for it, V_WAIT_ROUNDS at most; bench/RESULTS.md, "The layer kernel's arithmetic ...")."""
-        est = self.estimates
-        known = (est.measured("verify_narrow", bucket) and est.measured("plain_verify", bucket)) \
-            or (est.measured("decode_narrow", bucket) and est.measured("decode", bucket))
-        return self.shares_cores and not known and self._v_waits.get(bucket, 0) < V_WAIT_ROUNDS \
+        return self.shares_cores and self._v_source(bucket) is None and self._v_waits.get(bucket, 0) < V_WAIT_ROUNDS \
             and self._needs_verify_shape(bucket, batch)
+
+    def _v_source(self, bucket: int) -> Optional[str]:
+        """The one-core time the cap's v comes from at this bucket: "verify_narrow" (the verify's own shape,
+        beside SD's verify), else "decode_narrow" (AR steps, beside AR's), else None (v = 1)."""
+        est = self.estimates
+        for narrow, wide in (("verify_narrow", "plain_verify"), ("decode_narrow", "decode")):
+            if est.measured(narrow, bucket) and est.measured(wide, bucket):
+                return narrow
+        return None
 
     def _cap_question(self, bucket: int, scores: dict[str, float]) -> tuple[list[str], float]:
         """The SSD plans not yet timed at this bucket and the best measured AR / plain rate they must beat
@@ -70,11 +76,11 @@ class SSDCap:
         if not est.measured("plain_verify", bucket) and est.measured("plain_verify", bucket + 1):
             verify = max(verify, est.scaled_down("plain_verify", b, bucket + 1))  # SD left unmeasured here (`_explore`)
         if v is None:
-            v = 1.0
-            if est.measured("verify_narrow", bucket) and est.measured("plain_verify", bucket):
+            source, v = self._v_source(bucket), 1.0
+            if source == "verify_narrow":
                 ref = est.seconds("narrow_ref", b) if est.measured("narrow_ref", bucket) else verify  # (then)
                 v = min(1.0, ref / est.seconds("verify_narrow", b))  # the verify's own shape on one core
-            elif est.measured("decode_narrow", bucket) and est.measured("decode", bucket):
+            elif source == "decode_narrow":
                 v = min(1.0, est.seconds("decode", b) / est.seconds("decode_narrow", b))
         return b * expected_tokens_per_round(est.accept_rate("draft"), inputs.k) * v / verify
 
