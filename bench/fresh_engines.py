@@ -6,7 +6,8 @@ timed, end to end (prefill, the rule's first rounds and calibrations included). 
 workload by workload, `--repeats` times over, so machine noise hits them alike. Workloads:
   - demo: the main job's 4 chat prompts, greedy, 96 new tokens, EOS on (`make run`);
   - batch1: 4 chat prompts of the held-out templates, one `sample` call each, greedy, 96 tokens;
-  - grpo: 6 prompts x n=4, T=1, EOS on, up to 160 new tokens (a GRPO step's rollouts).
+  - grpo: 6 prompts x n=4, T=1, EOS on, up to 160 new tokens (a GRPO step's rollouts);
+  - grpo128: 32 prompts x n=4, T=1, EOS on, up to 96 new tokens (128 sequences, the CPU default batch).
 Table (tok/s per method, SSD against the better of AR and SD, SSD's rounds and their seconds by strategy
 per run, "(calibration)" the AR calibration steps inside them, next to the whole call's seconds), JSON
 last line.
@@ -33,7 +34,7 @@ from rollout_ssd import metric_names as names  # noqa: E402
 from rollout_ssd.cli import DEMO_PROMPTS  # noqa: E402
 from rollout_ssd.models.cpu_backend import cpu_kind, describe_auto_dtype  # noqa: E402
 
-WORKLOADS = ("demo", "batch1", "grpo")
+WORKLOADS = ("demo", "batch1", "grpo", "grpo128")
 SSD_ROUND_FIELDS = ("batch", "strategy", "cold", "emitted", "seconds", "verify_seconds", "wait_seconds", "paths", "fanout")
 
 
@@ -48,6 +49,9 @@ def workload(name: str, tokenizer, new_tokens: int = 0):
     if name == "grpo":
         prompts = bench_prompts(tokenizer, "templates", 6)
         return [prompts], SamplingParams(n=4, temperature=1.0, max_new_tokens=160, seed=0)
+    if name == "grpo128":
+        prompts = bench_prompts(tokenizer, "templates", 32)
+        return [prompts], SamplingParams(n=4, temperature=1.0, max_new_tokens=96, seed=0)
     raise ValueError(f"unknown workload {name!r}; known: {WORKLOADS}")
 
 
@@ -87,7 +91,7 @@ def run(method: str, name: str, new_tokens: int = 0, rule_cache=False, draft: st
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--workloads", default="demo,batch1,grpo", help=f"comma list of {WORKLOADS}")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--rule-cache", choices=("off", "warm"), default="off",
                    help="off: no engine starts from the strategy rule's cache (a machine's first run); warm: "
