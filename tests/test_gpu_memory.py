@@ -146,11 +146,12 @@ def test_gpu_memory_utilization_is_validated(value):
 
 def test_the_default_batch_on_a_cpu_is_128_as_far_as_half_the_memory_available_holds_it(monkeypatch, pair):
     """EngineConfig.max_batch_size=None: CPU_MAX_BATCH KV slots on a CPU where CPU_KV_MEMORY_SHARE of the
-    memory available holds their KV at max_model_len (the target's, and SD's draft's), else as many as it
+    memory available holds their KV at max_model_len (the target's, and SD's or SSD's draft's), else as many as it
     holds (at least one); unknown memory: CPU_MAX_BATCH; an explicit max_batch_size stands whatever the
     memory."""
     from rollout_ssd.config import CPU_KV_MEMORY_SHARE, CPU_MAX_BATCH
     from rollout_ssd.models import cpu_memory
+    from rollout_ssd.ssd.draft_server import draft_max_len
 
     target, draft = pair
     per_slot = _per_token(target.model) * 64
@@ -167,5 +168,9 @@ def test_the_default_batch_on_a_cpu_is_128_as_far_as_half_the_memory_available_h
     assert slots(int(CPU_MAX_BATCH * per_slot / CPU_KV_MEMORY_SHARE)) == CPU_MAX_BATCH
     assert slots(int(5.5 * per_slot / CPU_KV_MEMORY_SHARE)) == 5
     assert slots(int(5.5 * with_draft / CPU_KV_MEMORY_SHARE), SpecConfig(method="sd", k=3)) == 5
+    ssd = SpecConfig(method="ssd", k=3, worker=False)  # the draft side's cache, room for a tree, and SD's
+    cfg = ssd.ssd_config()
+    with_ssd = per_slot + _per_token(draft.model) * (draft_max_len(64, cfg.k, cfg.max_branches) + 64)
+    assert slots(int(5.5 * with_ssd / CPU_KV_MEMORY_SHARE), ssd) == 5
     assert slots(0) == 1
     assert slots(0, max_batch_size=8) == 8
