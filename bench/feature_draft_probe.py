@@ -128,6 +128,31 @@ class FeatureDraft(nn.Module):
 
 
 @torch.no_grad()
+def check_unroll(model: FeatureDraft, length: int = 10, depths: int = 3) -> None:
+    """Each depth's output at each position changes with the features and tokens a round would give it
+    (true features up to f_{i-k+1}, tokens up to x_{i+1}) and with nothing else; raises if not."""
+    gen = torch.Generator().manual_seed(0)
+    feats = torch.randn(1, length, model.fc.shape[1] - model.cfg.hidden_size if model.fuse is None
+                        else model.fuse.shape[1], generator=gen)
+    tokens = torch.randint(0, 1000, (1, length), generator=gen)
+    base = model.unroll(feats, tokens, depths)
+    for k in range(1, depths + 1):
+        for i in range(k - 1, length - 1):
+            for j in range(length):
+                f2 = feats.clone()
+                f2[0, j] += 1.0
+                changed = not torch.allclose(model.unroll(f2, tokens, depths)[k - 1][0, i], base[k - 1][0, i], atol=1e-5)
+                if changed != (j <= i - k + 1):
+                    raise AssertionError(f"depth {k}, position {i}: feature {j} {'changed' if changed else 'did not change'} it")
+                if j > i + 1:
+                    t2 = tokens.clone()
+                    t2[0, j] = (t2[0, j] + 1) % 1000
+                    if not torch.allclose(model.unroll(feats, t2, depths)[k - 1][0, i], base[k - 1][0, i], atol=1e-5):
+                        raise AssertionError(f"depth {k}, position {i}: a later token {j} changed it")
+    print(f"check_unroll: depths 1-{depths} over {length} positions see what a round gives them", flush=True)
+
+
+@torch.no_grad()
 def target_features(target, sequences: list[list[int]], layers: tuple[int, ...] = (), batch: int = 8) -> list[torch.Tensor]:
     """The target's hidden states at every position of each sequence (float32, [len, H * (len(layers) + 1)]):
     the residual stream after each of `layers` (RMS-normalised, no weight), then the final-normed state the
@@ -309,6 +334,8 @@ def main(argv=None):
     model = FeatureDraft(target.model, draft.model.head_token_ids.detach(), args.init_layer, len(args.feature_layers))
     if args.load:
         model.load_state_dict(torch.load(args.load, weights_only=True))
+    if args.quick:
+        check_unroll(model)
     log = []
     if args.minutes > 0:
         samples = load_sequences(args.data)
