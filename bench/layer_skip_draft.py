@@ -9,15 +9,18 @@ the layer dropped, both acceptances), then one JSON line.
 
     .venv/bin/python bench/layer_skip_draft.py                    # 12 prompts, 96 tokens, down to 19 layers
     .venv/bin/python bench/layer_skip_draft.py --stop 27 --prompts 4
+    .venv/bin/python bench/layer_skip_draft.py --prompt-set templates --prompts 32 \
+        --kept-from bench/results/layer_skip_search_amx_session25.jsonl --sizes 27,24,20   # score those, no search
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 import torch.nn.functional as F
-from common import bench_prompts, machine_note, print_json_line, print_table
+from common import PROMPT_SETS, bench_prompts, machine_note, print_json_line, print_table
 
 from rollout_ssd.draft.acceptance import expected_acceptance  # noqa: E402  (common put the repo on the path)
 from rollout_ssd.draft.on_policy import sample_continuations  # noqa: E402
@@ -52,10 +55,13 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--stop", type=int, default=19, help="layers left when the elimination stops")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--prompt-set", choices=PROMPT_SETS, default="unseen")
+    p.add_argument("--kept-from", default="", help="a search's JSON lines (n, kept): score those layer sets, no search")
+    p.add_argument("--sizes", default="", help="with --kept-from: the layer counts to score (default all)")
     args = p.parse_args(argv)
     loaded = load_pretrained("smollm2-135m-instruct", dtype="auto")
     model = loaded.model
-    prompts = bench_prompts(loaded.tokenizer, "unseen", args.prompts)
+    prompts = bench_prompts(loaded.tokenizer, args.prompt_set, args.prompts)
     pairs = {}
     for temperature in (0.0, 1.0):
         completions = sample_continuations(model, prompts, [temperature] * len(prompts), args.tokens, 16, seed=args.seed)
@@ -67,7 +73,15 @@ def main(argv=None):
         return [float(expected_acceptance(reference[t], visited_logits(model, kept, pairs[t]), t).mean()) for t in (0.0, 1.0)]
 
     kept, rows = every[:], []
-    while len(kept) > args.stop:
+    if args.kept_from:
+        sizes = {int(x) for x in args.sizes.split(",") if x}
+        for line in open(args.kept_from):
+            row = json.loads(line)
+            if "kept" in row and (not sizes or row["n"] in sizes):
+                greedy, t1 = score(row["kept"])
+                rows.append({"layers kept": row["n"], "dropped": "-", "greedy": greedy, "T=1": t1, "kept": str(row["kept"])})
+                print(rows[-1], flush=True)
+    while len(kept) > args.stop and not args.kept_from:
         scored = [(sum(s) / 2, layer, s) for layer in kept for s in [score([j for j in kept if j != layer])]]
         _, dropped, (greedy, t1) = max(scored)
         kept.remove(dropped)
