@@ -33,11 +33,12 @@ import torch
 import torch.nn.functional as F
 from common import add_repo_to_path, bench_prompts, load_default_pair, machine_note, print_json_line, print_table
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 add_repo_to_path()
 
+from rollout_ssd.draft.acceptance import expected_acceptance  # noqa: E402
 from rollout_ssd.draft.on_policy import sample_continuations  # noqa: E402
-from rollout_ssd.draft.teacher import load_cache  # noqa: E402
 from rollout_ssd.models.decoder import apply_rope, rms_norm  # noqa: E402
 
 
@@ -132,8 +133,8 @@ def check_unroll(model: FeatureDraft, length: int = 10, depths: int = 3) -> None
     """Each depth's output at each position changes with the features and tokens a round would give it
     (true features up to f_{i-k+1}, tokens up to x_{i+1}) and with nothing else; raises if not."""
     gen = torch.Generator().manual_seed(0)
-    feats = torch.randn(1, length, model.fc.shape[1] - model.cfg.hidden_size if model.fuse is None
-                        else model.fuse.shape[1], generator=gen)
+    width = model.cfg.hidden_size if model.fuse is None else model.fuse.shape[1]
+    feats = torch.randn(1, length, width, generator=gen)
     tokens = torch.randint(0, 1000, (1, length), generator=gen)
     base = model.unroll(feats, tokens, depths)
     for k in range(1, depths + 1):
@@ -155,37 +156,18 @@ def check_unroll(model: FeatureDraft, length: int = 10, depths: int = 3) -> None
 @torch.no_grad()
 def target_features(target, sequences: list[list[int]], layers: tuple[int, ...] = (), batch: int = 8) -> list[torch.Tensor]:
     """The target's hidden states at every position of each sequence (float32, [len, H * (len(layers) + 1)]):
-    the residual stream after each of `layers` (RMS-normalised, no weight), then the final-normed state the
-    head reads (always last: the teacher's distribution comes from it)."""
+    the residual stream after each of `layers` (1-based; RMS-normalised, no weight), then the final-normed
+    state the head reads (always last: the teacher's distribution comes from it)."""
     out = []
     for s in range(0, len(sequences), batch):
         chunk = sequences[s:s + batch]
-        tokens = torch.zeros(len(chunk), max(map(len, chunk)), dtype=torch.long)
-        for r, seq in enumerate(chunk):
-            tokens[r, :len(seq)] = torch.tensor(seq)
-        hidden = layer_states(target, tokens, layers).float()
+        kept = []
+        for i, x in target.layer_outputs(pad_sequence([torch.tensor(seq) for seq in chunk], batch_first=True)):
+            if i + 1 in layers:
+                kept.append(F.rms_norm(x.float(), (x.shape[-1],)).to(x.dtype))
+        hidden = torch.cat(kept + [rms_norm(x, target.norm, target.cfg.rms_norm_eps)], -1).float()
         out += [hidden[r, :len(seq)].clone() for r, seq in enumerate(chunk)]
     return out
-
-
-def layer_states(target, tokens: torch.Tensor, layers: tuple[int, ...]) -> torch.Tensor:
-    """Decoder.forward_train's loop, keeping the residual stream after the given layers (1-based)."""
-    if not layers:
-        return target.forward_train(tokens)
-    b, t = tokens.shape
-    x = F.embedding(tokens, target.embed)
-    cos, signed_sin = target.rope_tables(torch.arange(t).expand(b, t))
-
-    def attend(q, k, v):
-        return F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                              scale=target.scale, enable_gqa=True)
-
-    kept = []
-    for i, layer in enumerate(target.layers, start=1):
-        x = layer(x, cos, signed_sin, attend)
-        if i in layers:
-            kept.append(F.rms_norm(x.float(), (x.shape[-1],)).to(x.dtype))
-    return torch.cat(kept + [rms_norm(x, target.norm, target.cfg.rms_norm_eps)], -1)
 
 
 def train(model: FeatureDraft, samples, feats, args) -> list[dict]:
@@ -223,13 +205,8 @@ def unrolled_loss(model: FeatureDraft, samples, feats, depths: int):
     """Cross-entropy from the target's distribution over the head's tokens (its own logits there, from its
     feature: the full distribution renormalised onto the head) to the draft's, summed over depths, on
     completion tokens from the second on (the first is the target's own, after its prefill)."""
-    t = max(len(seq) for seq, _ in samples)
-    tokens = torch.zeros(len(samples), t, dtype=torch.long)
-    fx = torch.zeros(len(samples), t, feats[0].shape[-1])
-    for r, ((seq, _), f) in enumerate(zip(samples, feats)):
-        tokens[r, :len(seq)] = torch.tensor(seq)
-        fx[r, :len(seq)] = f
-    outs = model.unroll(fx, tokens, depths)
+    tokens = pad_sequence([torch.tensor(seq) for seq, _ in samples], batch_first=True)  # right-padded, as feats
+    outs = model.unroll(pad_sequence(feats, batch_first=True), tokens, depths)
     # token x_t (t >= prompt_len + 1) is drawn from head(f_{t-1}) and predicted at position t - 2 at each depth
     rows = [(r, torch.arange(plen + 1, len(seq))) for r, (seq, plen) in enumerate(samples)]
     with torch.no_grad():
@@ -237,7 +214,7 @@ def unrolled_loss(model: FeatureDraft, samples, feats, depths: int):
         teacher = [torch.softmax(feats[r][ts - 1, -h:].float() @ model.head.T, -1) for r, ts in rows]
     total, parts = 0.0, []
     for k, out in enumerate(outs, start=1):
-        num, den = 0.0, 0
+        num, den = torch.zeros(()), 0
         for (r, ts), p in zip(rows, teacher):
             keep = ts - 2 >= k - 1
             num = num - (p[keep] * model.head_logp(out[r, ts[keep] - 2]).float()).sum()
@@ -250,14 +227,11 @@ def unrolled_loss(model: FeatureDraft, samples, feats, depths: int):
 
 def load_sequences(paths) -> list[tuple[list[int], int]]:
     """(token ids, prompt length) of each sequence in `bench/feature_draft_data.py` files or teacher data
-    caches (`recipes.distill_draft --data-only`)."""
+    caches (`recipes.distill_draft --data-only`: `draft.teacher.save_samples` writes the same two lists)."""
     out = []
     for path in paths:
         data = torch.load(path, weights_only=True)
-        if data.get("format") == "teacher-samples-v1":
-            out += [(s.token_ids, s.prompt_len) for s in load_cache(path).samples]
-        else:
-            out += list(zip(data["token_ids"], data["prompt_len"]))
+        out += list(zip(data["token_ids"], data["prompt_len"]))
     return out
 
 
@@ -283,8 +257,8 @@ def evaluate(model: FeatureDraft, target, draft, prompt_set: str, temperature: f
             q = torch.full((len(ts), p_logits.shape[-1]), float("-inf"))
             q[:, model.head_ids] = out[0, ts - 2] @ model.head.T
             ok = ts - 2 >= k - 1
-            hits[k].append(score(p_logits[ts - 1][ok], q[ok], temperature))
-        base.append(score(p_logits[ts - 1], d_logits[ts - 1], temperature))
+            hits[k].append(expected_acceptance(p_logits[ts - 1][ok], q[ok], temperature))
+        base.append(expected_acceptance(p_logits[ts - 1], d_logits[ts - 1], temperature))
     row = {"set": prompt_set, "T": temperature, "positions": int(sum(len(b) for b in base)),
            "default draft": float(torch.cat(base).mean())}
     for k, h in hits.items():
@@ -292,15 +266,10 @@ def evaluate(model: FeatureDraft, target, draft, prompt_set: str, temperature: f
     return row
 
 
-def score(p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    if temperature <= 0:
-        return (p_logits.argmax(-1) == q_logits.argmax(-1)).float()
-    return torch.minimum(torch.softmax(p_logits, -1), torch.softmax(q_logits, -1)).sum(-1)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", nargs="*", default=[], help="data caches of recipes.distill_draft --data-only")
+    p.add_argument("--data", nargs="*", default=[], help="bench/feature_draft_data.py files or data caches of "
+                   "recipes.distill_draft --data-only")
     p.add_argument("--minutes", type=float, default=25.0)
     p.add_argument("--depths", type=int, default=3, help="chain steps unrolled in training")
     p.add_argument("--batch", type=int, default=8, help="sequences per step")

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import deque
 
 import torch
-import torch.nn.functional as F
 from common import PROMPT_SETS, bench_prompts, machine_note, print_json_line, print_table
+from torch.nn.utils.rnn import pad_sequence
 
 from rollout_ssd.draft.acceptance import expected_acceptance  # noqa: E402  (common put the repo on the path)
 from rollout_ssd.draft.on_policy import sample_continuations  # noqa: E402
@@ -32,19 +33,8 @@ from rollout_ssd.models.loader import load_pretrained  # noqa: E402
 def visited_logits(model, kept: list[int], pairs) -> torch.Tensor:
     """float32 logits at every continuation position of `pairs` ((prompt, continuation) token lists) through
     the layers `kept` of `model` only (a causal forward without a KV cache)."""
-    inputs = [p + c[:-1] for p, c in pairs]
-    tokens = torch.zeros(len(pairs), max(map(len, inputs)), dtype=torch.long)
-    for b, x in enumerate(inputs):
-        tokens[b, :len(x)] = torch.tensor(x)
-    positions = torch.arange(tokens.shape[1]).expand(tokens.shape)
-    x = F.embedding(tokens, model.embed)
-    cos, signed_sin = model.rope_tables(positions)
-
-    def attend(q, k, v):
-        return F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                              scale=model.scale, enable_gqa=True)
-    for i in kept:
-        x = model.layers[i](x, cos, signed_sin, attend)
+    tokens = pad_sequence([torch.tensor(p + c[:-1]) for p, c in pairs], batch_first=True)  # right-padded
+    _, x = deque(model.layer_outputs(tokens, kept), maxlen=1)[0]  # the last kept layer's output
     hidden = rms_norm(x, model.norm, model.cfg.rms_norm_eps)
     return torch.cat([model.logits(hidden[b, len(p) - 1:len(p) - 1 + len(c)]).float() for b, (p, c) in enumerate(pairs)])
 
@@ -73,14 +63,14 @@ def main(argv=None):
         return [float(expected_acceptance(reference[t], visited_logits(model, kept, pairs[t]), t).mean()) for t in (0.0, 1.0)]
 
     kept, rows = every[:], []
-    if args.kept_from:
+    if args.kept_from:  # score a search's layer sets, no search
         sizes = {int(x) for x in args.sizes.split(",") if x}
-        for line in open(args.kept_from):
-            row = json.loads(line)
-            if "kept" in row and (not sizes or row["n"] in sizes):
-                greedy, t1 = score(row["kept"])
-                rows.append({"layers kept": row["n"], "dropped": "-", "greedy": greedy, "T=1": t1, "kept": str(row["kept"])})
-                print(rows[-1], flush=True)
+        with open(args.kept_from) as f:
+            searched = [row for row in map(json.loads, f) if "kept" in row and (not sizes or row["n"] in sizes)]
+        for row in searched:
+            greedy, t1 = score(row["kept"])
+            rows.append({"layers kept": row["n"], "dropped": "-", "greedy": greedy, "T=1": t1, "kept": str(row["kept"])})
+            print(rows[-1], flush=True)
     while len(kept) > args.stop and not args.kept_from:
         scored = [(sum(s) / 2, layer, s) for layer in kept for s in [score([j for j in kept if j != layer])]]
         _, dropped, (greedy, t1) = max(scored)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from rollout_ssd.models.config import rope_inv_freq
+from rollout_ssd.models.decoder import rms_norm
 from rollout_ssd.models.loader import build_decoder, load_pretrained
 from rollout_ssd.runner import ModelRunner
 from tests.support.hf_reference import hf_logits, rel_err
@@ -46,6 +47,29 @@ def _runner(loaded, num_slots: int = 4, max_len: int = 64) -> ModelRunner:
 
 
 # ---- tiny random models ------------------------------------------------------------------------
+
+
+def test_layer_outputs_are_hf_hidden_states_and_run_the_layers_asked(tiny):
+    """Decoder.layer_outputs (forward_train's pass; bench probes read layers' states and leave layers out):
+    the residual stream after layer i is transformers' hidden_states[i + 1] within TOL_F32, forward_train is
+    its final norm; given a list it runs those layers in that order, as a model built of them alone does."""
+    hf, ours = tiny
+    model = ours.model
+    tokens = torch.tensor([_random_ids(12, model.cfg.vocab_size, seed=3)])
+    with torch.no_grad():
+        states = list(model.layer_outputs(tokens))
+        ref = hf(tokens, output_hidden_states=True).hidden_states
+        assert [i for i, _ in states] == list(range(model.cfg.num_layers))
+        for i, x in states[:-1]:  # HF's last entry is after the final norm
+            assert rel_err(x, ref[i + 1]) < TOL_F32, i
+        assert rel_err(model.forward_train(tokens), ref[-1]) < TOL_F32
+        subset = [model.cfg.num_layers - 1, 0]
+        ran = list(model.layer_outputs(tokens, subset))
+        assert [i for i, _ in ran] == subset
+        alone = copy.deepcopy(model)
+        alone.layers = torch.nn.ModuleList(alone.layers[i] for i in subset)
+        assert torch.equal(alone.forward_train(tokens), rms_norm(ran[-1][1], model.norm, model.cfg.rms_norm_eps))
+        assert not torch.equal(alone.forward_train(tokens), model.forward_train(tokens))
 
 
 def test_rope_scaling_is_not_vacuous(tiny):

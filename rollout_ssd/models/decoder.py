@@ -20,8 +20,9 @@ per-query key spans.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -279,6 +280,14 @@ class Decoder(nn.Module):
 
     def forward_train(self, tokens: torch.Tensor) -> torch.Tensor:
         """Plain causal forward without a KV cache (distillation). tokens [B, T] -> hidden [B, T, H]."""
+        last = deque(self.layer_outputs(tokens), maxlen=1)  # the last layer's output (none without layers)
+        x = last[0][1] if last else F.embedding(tokens, self.embed)
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    def layer_outputs(self, tokens: torch.Tensor, layers: Optional[Sequence[int]] = None):
+        """`forward_train`'s causal pass through `layers` (indices run in that order; None: all), yielding
+        (index, residual stream [B, T, H] after that layer, before the final norm): for probes that read a
+        layer's state or run the model with layers left out."""
         b, t = tokens.shape
         positions = torch.arange(t, device=tokens.device).expand(b, t)
         x = F.embedding(tokens, self.embed)
@@ -288,6 +297,6 @@ class Decoder(nn.Module):
             return F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                                   scale=self.scale, enable_gqa=True)
 
-        for layer in self.layers:
-            x = layer(x, cos, signed_sin, attend)
-        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        for i in range(len(self.layers)) if layers is None else layers:
+            x = self.layers[i](x, cos, signed_sin, attend)
+            yield i, x
