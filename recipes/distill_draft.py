@@ -4,7 +4,8 @@
 
 Steps: build procedural prompts (train / held-out by template; `--prompt-mix varied` takes
 draft.varied_prompts' other kinds in turn with them), sample completions from the target
-with the teacher's top-k log-probs recorded (until --tokens or --data-minutes), pick the head's
+with the teacher's top-k log-probs recorded (until --tokens or --data-minutes; in the dtype the engine
+runs on this CPU, so the teacher is the target as deployed here, on every core), pick the head's
 --head-size most frequent tokens, train a --layers-layer draft for --minutes, round it to bfloat16,
 measure held-out acceptance (greedy and T=1) and the decode-step cost ratio, save the checkpoint
 and PROVENANCE.md beside it. Logs its full config first.
@@ -38,8 +39,12 @@ def parse_args(argv=None):
     p.add_argument("--temperatures", default="1.0:0.5,0.7:0.25,0:0.25",
                    help="sampling temperature mix T:share,... (0 = greedy)")
     p.add_argument("--top-k", type=int, default=64, help="teacher log-probs kept per position")
-    p.add_argument("--gen-batch-size", type=int, default=48)
-    p.add_argument("--chunk-prompts", type=int, default=96, help="prompts per sampling chunk (data is cached per chunk)")
+    p.add_argument("--gen-batch-size", type=int, default=128, help="sequences the sampling engine runs at once")
+    p.add_argument("--chunk-prompts", type=int, default=256, help="prompts per sampling chunk (data is cached per chunk)")
+    p.add_argument("--sample-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="the dtype the target samples (and so teaches) in: auto, what the engine runs on this CPU "
+                        "(bfloat16 where bf16 matmuls run natively: its law is the deployed target's there)")
+    p.add_argument("--sample-threads", type=int, default=0, help="threads while sampling (0: every core)")
     p.add_argument("--data-cache", default=None, help="torch file to reuse / extend the sampled data")
     p.add_argument("--first-prompt", type=int, default=0, help="index of the first training prompt to sample")
     p.add_argument("--prompt-mix", choices=("templates", "varied"), default="templates",
@@ -67,7 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-max-new-tokens", type=int, default=96)
     p.add_argument("--eval-init", action="store_true", help="also measure the untrained draft's acceptance")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="threads while training and measuring")
     p.add_argument("--max-checkpoint-bytes", type=int, default=None,
                    help="size limit of the saved draft (default: the package's, for a draft that ships in it; "
                         "0: none, for a candidate measured from outside the package)")
@@ -87,7 +92,21 @@ def temperature_mix(spec: str, n: int, seed: int) -> list[float]:
     return rng.choices([t for t, _ in pairs], weights=[w for _, w in pairs], k=n)
 
 
-def sample_data(args, target, prompt_ids):
+def sampling_model(args, model):
+    """The target that samples the data: `model` (float32, the one training and measuring use), or the same
+    weights loaded again in --sample-dtype where that resolves to another dtype on this machine."""
+    from rollout_ssd.models.loader import load_pretrained, parse_dtype
+
+    dtype = parse_dtype(args.sample_dtype)
+    if dtype == model.embed.dtype:
+        return model
+    log.info("sampling with the target in %s (--sample-dtype %s)", dtype, args.sample_dtype)
+    return load_pretrained(args.target, dtype=dtype, with_tokenizer=False).model
+
+
+def sample_data(args, model, prompt_ids, threads: int):
+    """The run's samples (the data cache's, then new ones from `sampling_model` on `threads` threads until
+    --tokens or --data-minutes) and the seconds spent sampling."""
     from rollout_ssd.draft import on_policy, teacher
 
     samples, next_prompt, recorded = [], args.first_prompt, None
@@ -103,12 +122,15 @@ def sample_data(args, target, prompt_ids):
                         "this run's, %s, which it will record", args.data_cache, next_prompt, prompt_set(args))
     temps = temperature_mix(args.temperatures, len(prompt_ids), args.seed)
     deadline = time.monotonic() + args.data_minutes * 60
-    start_t = time.monotonic()
+    start_t, sampler, training_threads = time.monotonic(), None, torch.get_num_threads()
     while sum(s.num_completion for s in samples) < args.tokens and next_prompt < len(prompt_ids):
         if time.monotonic() > deadline:
             break
+        if sampler is None:
+            sampler = sampling_model(args, model)
+            torch.set_num_threads(threads)
         chunk = range(next_prompt, min(next_prompt + args.chunk_prompts, len(prompt_ids)))
-        got = on_policy.sample_with_teacher(target, [prompt_ids[i] for i in chunk], [temps[i] for i in chunk],
+        got = on_policy.sample_with_teacher(sampler, [prompt_ids[i] for i in chunk], [temps[i] for i in chunk],
                                           args.max_new_tokens, args.top_k, args.gen_batch_size,
                                           seed=args.seed + next_prompt, deadline=deadline)
         samples.extend(got)
@@ -118,12 +140,14 @@ def sample_data(args, target, prompt_ids):
                  time.monotonic() - start_t, n / max(time.monotonic() - start_t, 1e-9))
         if args.data_cache:
             teacher.save_samples(args.data_cache, samples, next_prompt, prompt_set(args))
+    torch.set_num_threads(training_threads)
     return samples, time.monotonic() - start_t
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cores = torch.get_num_threads()  # torch's default: the cores this process may use
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     command = "python -m recipes.distill_draft " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
@@ -140,7 +164,7 @@ def main(argv=None) -> int:
     train_ids = prompts.chat_prompt_ids(target.tokenizer, training_texts(args, split))
     heldout_ids = prompts.chat_prompt_ids(target.tokenizer, split.heldout)
 
-    samples, data_s = sample_data(args, model, train_ids)
+    samples, data_s = sample_data(args, model, train_ids, args.sample_threads or cores)
     if args.data_only:
         log.info("data only: %d samples, %d tokens in %s", len(samples), sum(s.num_completion for s in samples),
                  args.data_cache)
@@ -263,6 +287,13 @@ def check_size_first(args, model) -> int:
     return check_checkpoint_size(cfg, max_bytes=size_limit(args))
 
 
+def sample_dtype(args) -> str:
+    """The dtype --sample-dtype stands for on this machine, by name."""
+    from rollout_ssd.models.loader import parse_dtype
+
+    return str(parse_dtype(args.sample_dtype)).removeprefix("torch.")
+
+
 def write_provenance(path, command, args, split, data_tokens, num_samples, data_s, head, cov, config, stats,
                      greedy, t1, cost, layers, size, extra):
     cost_rows = "\n".join(f"| {b} | {c['target_s'] * 1e3:.1f} | {c['draft_s'] * 1e3:.2f} | {c['ratio']:.3f} |"
@@ -304,7 +335,8 @@ torch {torch.__version__}, {torch.get_num_threads()} CPU thread(s), float32 comp
 - Prompts: procedural (`prompts.build_prompts`{mix}): questions, explanations, lists, stories/poems, instructions,
   code requests, arithmetic word problems; chat template applied. Held-out prompts ({len(split.heldout)}) use a
   template of each kind that training never uses, filled from another seed.
-- Completions sampled on-policy from the target (`{args.target}`, float32) with the engine's sampling law,
+- Completions sampled on-policy from the target (`{args.target}`, by this run in {sample_dtype(args)}: `--sample-dtype
+  {args.sample_dtype}`; a data cache's earlier samples in the dtype of the runs that made them) with the engine's law,
   temperatures {args.temperatures} (T:share), at most {args.max_new_tokens} new tokens: {num_samples} completions,
   {data_tokens} tokens, {data_s / 60:.1f} min of sampling. Teacher = the target's top-{args.top_k} log-probs at
   every completion position, recorded while sampling.

@@ -473,21 +473,42 @@ def test_recipe_checks_the_prompt_list_only_where_it_samples_on(tmp_path, monkey
 
     def sample_with_teacher(target, prompts, *args, **kwargs):
         asked.append(len(prompts))
+        assert target is model and torch.get_num_threads() == 2  # --sample-threads' count while sampling
         return sample(len(prompts))
 
     monkeypatch.setattr(on_policy, "sample_with_teacher", sample_with_teacher)
     path = tmp_path / "cache.pt"
     other = {**recipe.prompt_set(recipe.parse_args(["--out", "x"])), "seed": 5}
     save_samples(path, sample(3), next_prompt=3, prompt_set=other)  # 6 completion tokens
-    base = ["--out", "x", "--data-cache", str(path), "--chunk-prompts", "2"]
-    samples, _ = recipe.sample_data(recipe.parse_args(base + ["--tokens", "6"]), None, [[1]] * 10)
+    base = ["--out", "x", "--data-cache", str(path), "--chunk-prompts", "2", "--sample-dtype", "float32"]
+    model = SimpleNamespace(embed=torch.zeros(1))  # a float32 target: it samples itself
+    samples, _ = recipe.sample_data(recipe.parse_args(base + ["--tokens", "6"]), model, [[1]] * 10, 2)
     assert len(samples) == 3 and asked == []  # enough already: trained from as it is
     with pytest.raises(ValueError, match="seed: cache 5, this run 0"):
-        recipe.sample_data(recipe.parse_args(base + ["--tokens", "8"]), None, [[1]] * 10)
+        recipe.sample_data(recipe.parse_args(base + ["--tokens", "8"]), model, [[1]] * 10, 2)
     assert asked == []
     save_samples(path, sample(3), next_prompt=3)  # from before the record
     args = recipe.parse_args(base + ["--tokens", "8"])
     with caplog.at_level(logging.WARNING, logger=recipe.log.name):
-        samples, _ = recipe.sample_data(args, None, [[1]] * 10)
+        samples, _ = recipe.sample_data(args, model, [[1]] * 10, 2)
     assert asked == [2] and len(samples) == 5 and "records no prompt list" in caplog.text
+    assert torch.get_num_threads() == 1  # training's count again (conftest's)
     assert load_cache(path).prompt_set == recipe.prompt_set(args) and load_cache(path).next_prompt == 5
+
+
+def test_recipe_samples_in_the_dtype_asked(tiny_target):
+    """--sample-dtype: the float32 target samples itself; another dtype (and "auto" where it resolves to one)
+    is the same checkpoint loaded again in that dtype, each weight the float32 one rounded to it."""
+    import recipes.distill_draft as recipe
+    from rollout_ssd.models.loader import parse_dtype
+
+    model = tiny_target.model
+    base = ["--out", "x", "--target", tiny_target.source]
+    assert recipe.sampling_model(recipe.parse_args(base + ["--sample-dtype", "float32"]), model) is model
+    bf16 = recipe.sampling_model(recipe.parse_args(base + ["--sample-dtype", "bfloat16"]), model)
+    assert bf16 is not model and bf16.embed.dtype == torch.bfloat16
+    for (name, mine), theirs in zip(bf16.named_parameters(), model.parameters()):
+        assert torch.equal(mine, theirs.to(torch.bfloat16)), name
+    auto = recipe.sampling_model(recipe.parse_args(base), model)
+    assert auto.embed.dtype == parse_dtype("auto") and (auto is model) == (parse_dtype("auto") == torch.float32)
+    assert recipe.sample_dtype(recipe.parse_args(base + ["--sample-dtype", "bfloat16"])) == "bfloat16"
