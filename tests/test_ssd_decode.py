@@ -318,3 +318,63 @@ def test_law_matches_target(pair6, case):
         assert m["ssd/hit_rate_warm"] < 0.6
     law = exact_law(decoder_next_logits(target.model), prompt, 6, vocab, temperature, top_p=top_p)
     assert_fits(counts, law.sum(dim=(0, 1, 2)), alpha=1e-3)  # P(t4, t5, t6); fails by chance w.p. 1e-3
+
+
+def test_an_sd_round_after_rounds_the_draft_sat_out_times_its_verify_not_its_drafting(pair48):
+    """SD's drafting time ("plain_draft") is what the rule weighs SD by; the draft's first SD round after
+    AR rounds first catches up on every token they emitted (a SYNC of the AR run's length, or the
+    in-process speculator's catch-up forward), so that round times its verify only, and the next, caught-up
+    one times both (when every SD round's drafting was timed, a kept AR choice stood on inflated SD times:
+    bench/RESULTS.md, twenty-seventh session). Here the draft side answers SD's chains (no worker process)."""
+    target, draft = pair48
+    engine = ssd_engine(target, draft, 3, k=3, strategy_rule=True)
+    ssd = engine.strategy
+    script = iter([Plan.SD, Plan.SD, Plan.AR, Plan.AR, Plan.AR, Plan.AR, Plan.SD, Plan.SD] + [Plan.SD] * 64)
+    ssd.chooser.choose = lambda batch, *args, **kwargs: next(script)
+    estimates = ssd.chooser.estimates
+    rounds, times, observe_time, step = [], [], estimates.observe_time, ssd.step
+    estimates.observe_time = lambda name, *a: (times.append(name), observe_time(name, *a))
+
+    def timed_step(running):
+        del times[:]
+        out = step(running)
+        rounds.append(list(times))
+        return out
+
+    ssd.step = timed_step
+    engine.sample(PROMPTS[:3], SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True))
+    engine.close()
+    assert rounds[0] == []  # every sequence's first round times nothing
+    assert "plain_verify" in rounds[1] and "plain_draft" in rounds[1]
+    assert "plain_verify" in rounds[6] and "plain_draft" not in rounds[6]  # 4 AR tokens to catch up on
+    assert "plain_verify" in rounds[7] and "plain_draft" in rounds[7]
+
+
+def test_the_in_process_speculator_says_when_its_catch_up_was_more_than_a_rounds(pair48):
+    """`DraftModelSpeculator.lagged`: its last `propose` fed some row more tokens than a round emits (its
+    longest chain + 1: the draft sat out rounds); a round's own catch-up (the last emitted token, or two) is not."""
+    from rollout_ssd.sequence import Sequence
+    from rollout_ssd.spec.draft_model import CATCH_UP_TOKENS, DraftModelSpeculator
+
+    _, draft = pair48
+    sd = DraftModelSpeculator(draft.model, num_slots=2, max_len=64)
+    params = SamplingParams(temperature=0, max_new_tokens=32)
+    seqs = [Sequence(i, 0, list(p), params, torch.Generator(), frozenset(), 64) for i, p in enumerate(PROMPTS[:2])]
+    sd.on_admit(seqs)
+
+    def verified(accepted, bonus):  # a round of SD: each chain's first accepted[i] tokens, then a bonus token
+        prop = sd.propose(seqs, [3, 3])
+        for seq, chain, a, t in zip(seqs, prop.tokens, accepted, bonus):
+            seq.append(list(chain[:a]) + [t], [0.0] * (a + 1))
+        sd.on_verified(seqs, accepted)
+        return sd.last_catch_up, sd.lagged
+
+    for seq, t in zip(seqs, [20, 21]):
+        seq.append([t], [0.0])  # the prefill's token
+    assert verified([3, 0], [40, 41]) == (1, False)
+    assert verified([1, 2], [42, 43]) == (CATCH_UP_TOKENS, False)  # a whole chain accepted: its last one too
+    assert verified([0, 0], [44, 45]) == (1, False)
+    for seq in seqs:
+        seq.append([16, 17, 18, 19], [0.0] * 4)  # AR rounds it sat out
+    assert verified([0, 0], [12, 13]) == (5, True)
+    assert verified([0, 0], [14, 15]) == (1, False)

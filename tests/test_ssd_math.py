@@ -1143,3 +1143,49 @@ def test_beside_a_worker_exploring_waits_for_v_then_the_cap_decides(v):
         assert [chooser.choose(1) for _ in range(V_WAIT_ROUNDS - 1)] == [Plan.SD] * (V_WAIT_ROUNDS - 1)
     plans = [chooser.choose(1) for _ in range(config.decide_after)]
     assert plans == ([Plan.SD] * config.decide_after if v == 0.69 else [Plan.SSD_DRAFT] * config.decide_after)
+
+
+@pytest.mark.parametrize("stale_draft,live_draft,switches", [(0.02, 0.005, True), (0.02, 0.0165, True), (0.02, 0.02, False),
+                                                            (0.05, 0.005, False)])
+def test_a_kept_choice_is_measured_again_where_the_runner_up_is_close_and_its_times_are_all_kept(
+        stale_draft, live_draft, switches):
+    """An engine from the rule's cache: AR kept at bucket 1 (AR 1 / 0.02 = 50 tok/s) and SD's times all kept
+    from an earlier engine (verify 0.025 s, drafting `stale_draft`; priors a = 0.6, K = 3: E = 2.176). Where SD
+    scores within PROBE_WITHIN of AR (drafting 0.02: 48.4 tok/s) it runs decide_after timed rounds (one try
+    more) after UNMEASURED_AFTER decided rounds, and the rule decides again from them without the hysteresis:
+    SD when its live drafting is 0.005 s (72.5 tok/s) or 0.0165 s (52.4 tok/s: within the hysteresis, which
+    would have kept AR), AR again when it is as kept. Far below (drafting 0.05: 29 tok/s) it is not run. SSD stays out by Corollary 9's cap (v = 0.025 / 0.05: 43.5 tok/s)."""
+    from rollout_ssd.ssd.chooser import PROBE_EVERY, UNMEASURED_AFTER, Plan
+
+    kept = LiveEstimates(EstimatesConfig(k=3))
+    for _ in range(3):
+        kept.observe_time("decode", 0.02, 1)
+        kept.observe_time("plain_verify", 0.025, 1)
+        kept.observe_time("plain_draft", stale_draft, 1)
+    chooser, config = _fresh_chooser()
+    rule = chooser.rule.config  # AR and SD only (an SSD plan the cap leaves out would stand in for SD otherwise)
+    chooser.rule = StrategyRule(StrategyConfig(candidates=("sd", "ar"), hysteresis=rule.hysteresis,
+                                               switch_after=rule.switch_after))
+    chooser.estimates.restore(kept.snapshot())
+    chooser.restore_choices({1: Plan.AR})
+    plans = []
+    for _ in range(PROBE_EVERY - 2):
+        plan = chooser.choose(1)
+        if plan is Plan.SD:
+            chooser.estimates.observe_time("plain_verify", 0.025, 1)
+            chooser.estimates.observe_time("plain_draft", live_draft, 1)
+        else:
+            chooser.estimates.observe_time("decode", 0.02, 1)
+        chooser.count_round(plan, cold=False, batch=1)
+        plans.append(plan)
+    if stale_draft == 0.05:
+        assert set(plans) == {Plan.AR}
+        return
+    first = UNMEASURED_AFTER - 1  # decided rounds before the one that counts UNMEASURED_AFTER
+    assert plans[:first] == [Plan.AR] * first
+    assert plans[first:first + config.decide_after] == [Plan.SD] * config.decide_after
+    later = plans[first + config.decide_after:]
+    if switches:
+        assert chooser._choices[1] is Plan.SD and later.count(Plan.AR) <= 1  # (AR's due re-timing: one AR round)
+    else:
+        assert chooser._choices[1] is Plan.AR and set(later) == {Plan.AR}

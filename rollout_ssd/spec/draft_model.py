@@ -62,6 +62,10 @@ class DraftModelSpeculator(Speculator):
         self.cached: dict[int, int] = {}  # id(seq) -> tokens of the sequence in the draft cache
         self.generators: dict[int, torch.Generator] = {}
         self.drafted: dict[int, list[int]] = {}  # id(seq) -> drafted tokens written after `cached`
+        self.last_catch_up = 0  # the longest catch-up (tokens) the last `propose` fed
+        # ... more than a round emits (its longest chain + 1): the draft had sat out rounds (AR's, SSD's), so
+        # that call's time is a one-off's, not what drafting a round costs (ssd/telemetry.py leaves it out)
+        self.lagged = False
 
     def draft_parameters(self) -> dict[str, torch.Tensor]:
         return self.model.hf_parameters()
@@ -128,8 +132,10 @@ class DraftModelSpeculator(Speculator):
                 return drawn.tolist()
 
             # catch up on every token the draft has not seen (at least the last emitted one)
-            chains = draft_chains(self.runner, [self.slot[id(s)] for s in sub],
-                                  [s.all_token_ids[self.cached[id(s)]:] for s in sub], k_sub, sample, head_only=True)
+            catch_up = [s.all_token_ids[self.cached[id(s)]:] for s in sub]
+            self.last_catch_up = max(len(c) for c in catch_up)
+            self.lagged = self.last_catch_up > max(k_sub) + 1
+            chains = draft_chains(self.runner, [self.slot[id(s)] for s in sub], catch_up, k_sub, sample, head_only=True)
             for r, s in enumerate(sub):
                 tokens[active[r]] = chains[r]
                 self.cached[id(s)] = s.num_tokens

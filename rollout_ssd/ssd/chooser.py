@@ -67,6 +67,7 @@ class Chooser(SSDCap):
         self._restored: set[int] = set()  # buckets of kept choices (`calibrate`: no second warm-up there)
         self._since_probe: dict[int, int] = {}  # batch_bucket -> decided rounds since its last probe
         self._tries: dict[tuple[int, str], int] = {}  # (batch_bucket, plan label) -> unmeasured-plan rounds run
+        self._rechecks: dict[tuple[int, str], int] = {}  # (batch_bucket, plan label) -> `_recheck` rounds run (-1: done)
         self._decided_rounds: dict[int, int] = {}  # batch_bucket -> rounds decided there
         self._tail_round = False  # this round runs a long call's tail plan: nothing is calibrated (`choose`)
         self.shares_cores = False  # a worker process holds a CPU core beside the target (ssd/cores.py; round.py sets it)
@@ -208,6 +209,10 @@ class Chooser(SSDCap):
         """Rounds of plan `label` timed at this bucket: the fewest measurements of the times it needs."""
         return min(self.estimates.times_measured(name, bucket) for name in MEASURED_BY[label])
 
+    def _timed_here(self, label: str, bucket: int) -> int:
+        """`_times_timed` by this engine's own rounds (not counting times kept from an earlier engine)."""
+        return min(self.estimates.times_measured(name, bucket, here=True) for name in MEASURED_BY[label])
+
     def budget_cap(self, batch: int, plan: Optional[Plan] = None) -> Optional[int]:
         """A bound on the fan-out budget per sequence while the rule has not chosen at this batch size,
         and for a round of `plan` that only measures it (an SSD plan not chosen there: `_unmeasured`,
@@ -230,7 +235,7 @@ class Chooser(SSDCap):
         if self.rule.config.fixed is not None:
             return chosen
         self._decided_rounds[bucket] = self._decided_rounds.get(bucket, 0) + 1
-        unmeasured = self._unmeasured(bucket, chosen, scores, excluded)
+        unmeasured = self._unmeasured(bucket, chosen, scores, excluded) or self._recheck(bucket, chosen, scores, excluded)
         if unmeasured is not None:
             return unmeasured
         self._since_probe[bucket] = self._since_probe.get(bucket, 0) + 1
@@ -261,6 +266,37 @@ class Chooser(SSDCap):
                     and not self._times_timed(label, bucket + 1):  # (scaled from there: `_explore`)
                 self._tries[(bucket, label)] = tries + 1
                 return Plan(label)
+        return None
+
+    def _recheck(self, bucket: int, chosen: Plan, scores: dict[str, float], excluded: set[str]) -> Optional[Plan]:
+        """A close plan (within PROBE_WITHIN of the chosen one) whose times at this bucket all came from an
+        earlier engine (ssd/rule_cache.py): another hour of a shared host, and acceptance and tokens per
+        round of another workload, which a choice would otherwise stand on for good (a plan not run is not
+        measured; its draft's first round after others' is a catch-up, not a drafting time). It runs for
+        decide_after timed rounds here (one try more: a round of first rounds times nothing), then the
+        choice at this bucket is made again from what this engine measured, as at a bucket it explored
+        (the hysteresis is for its own choices). None before UNMEASURED_AFTER decided rounds there."""
+        if self._decided_rounds[bucket] < UNMEASURED_AFTER:
+            return None
+        need = self.config.decide_after
+        for label in sorted(scores, key=scores.get, reverse=True):
+            if label == chosen.label or label not in self.rule.config.candidates or label in excluded:
+                continue
+            if scores[label] < scores[chosen.label] * (1 - PROBE_WITHIN):
+                return None
+            key = (bucket, label)
+            if key not in self._rechecks:
+                if not self._times_timed(label, bucket) or self._timed_here(label, bucket):
+                    continue  # never timed (`_unmeasured`), or timed by this engine
+                self._rechecks[key] = 0
+            if self._rechecks[key] < 0:  # done
+                continue
+            if self._timed_here(label, bucket) >= need or self._rechecks[key] > need:
+                self._rechecks[key] = -1
+                self._choices.pop(bucket, None)  # decided again on the next round (`choose`)
+                return None
+            self._rechecks[key] += 1
+            return Plan(label)
         return None
 
     def count_round(self, plan: Plan, cold: bool, batch: int = 1, narrow: bool = False) -> None:

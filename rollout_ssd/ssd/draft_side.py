@@ -87,6 +87,7 @@ class Chains:
     wait_seconds: float = 0.0  # the target's wait for the draft side's chains, request to validated reply
     whole_q: Optional[DraftDistribution] = None  # one law for the whole batch (an SD round in process)
     drafted_here: Optional[tuple[int, float]] = None  # (rows, seconds) of misses drafted in the target's process
+    lagged: bool = False  # the draft caught up on more tokens than a round emits: it sat out rounds
 
     @classmethod
     def empty(cls, first: list[bool]) -> "Chains":
@@ -309,6 +310,7 @@ class DraftSide:
                 raise WorkerFailure(f"expected a ChainReply, got {type(reply).__name__}")
             self._accept_reply(reply, rows, ks, out)
             out.wait_seconds = time.perf_counter() - t0
+            out.lagged = max((len(r.tail) for r in rows if r.k == SYNC), default=0) > max(ks, default=0) + 1
         except WorkerFailure as err:  # chains not received: empty proposals (AR steps) this round
             self._fail(err)
             return False

@@ -132,9 +132,14 @@ class _BatchTimes:
         self.by_batch[batch].add(seconds)
         self.seeded[batch] = self.counts[batch]
 
+    def measured(self, bucket: int, here: bool = False) -> int:
+        """How often it was measured at the batch sizes of `bucket`; `here`: by this engine (an earlier one's
+        kept values not counted)."""
+        return sum(n - (self.seeded.get(b, 0) if here else 0) for b, n in self.counts.items() if b.bit_length() == bucket)
+
     def live(self, bucket: int) -> bool:
         """Whether this engine measured it at a batch size of `bucket` (not only an earlier one's kept value)."""
-        return any(n > self.seeded.get(b, 0) for b, n in self.counts.items() if b.bit_length() == bucket)
+        return self.measured(bucket, here=True) > 0
 
     def add(self, batch: int, seconds: float) -> None:
         if batch not in self.by_batch:
@@ -274,11 +279,11 @@ class LiveEstimates:
             raise ValueError(f"no measurement of {name!r} nor of a verify or decode time yet")
         return verify if name == "verify" else self.config.prior_time_units[name] * verify
 
-    def times_measured(self, name: str, bucket: int) -> int:
+    def times_measured(self, name: str, bucket: int, here: bool = False) -> int:
         """How often time `name` was measured at the batch sizes of this batch bucket (`int.bit_length`
-        of the size: 1, 2-3, 4-7, ...; ssd/chooser.py's buckets); 0: it is a prior or derived there."""
-        times = self._times[name]
-        return sum(n for b, n in times.counts.items() if b.bit_length() == bucket)
+        of the size: 1, 2-3, 4-7, ...; ssd/chooser.py's buckets); 0: it is a prior or derived there.
+        `here`: by this engine, not counting what an earlier one's kept values stand for (`restore`)."""
+        return self._times[name].measured(bucket, here)
 
     def measured(self, name: str, bucket: int) -> bool:
         return self.times_measured(name, bucket) > 0

@@ -175,7 +175,7 @@ class SSDDecode(DecodeStrategy):
         sd = self._speculator()
         t0 = time.perf_counter()
         prop = sd.propose(running, ks, early_stop=not whole)
-        rnd.wait_seconds = time.perf_counter() - t0
+        rnd.wait_seconds, rnd.lagged = time.perf_counter() - t0, sd.lagged
         rnd.chains, rnd.whole_q = [list(t) for t in prop.tokens], prop.q
         rnd.paths = ["draft" if c else "none" for c in rnd.chains]
         return rnd
@@ -211,6 +211,7 @@ class SSDDecode(DecodeStrategy):
         if self.sd is None:  # taken up here, with the live sequences' prefill: a one-off, timed as a first round
             rnd.first = [True] * len(running)
         rnd.drafted_here = (len(rows), _fill(rnd, rows, running, ks, self._speculator(), "draft"))
+        rnd.lagged = self._speculator().lagged
         if cores is not None:
             cores.narrow()
         rnd.wait_seconds += rnd.drafted_here[1]

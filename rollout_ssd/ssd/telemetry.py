@@ -101,8 +101,10 @@ class RoundTelemetry:
         transfer), as the `ssd/*` state they set. SD's drafting is timed apart ("plain_draft"): on a CPU
         it runs in the target's process on every core, not in the worker as an SSD round's misses do."""
         state, b, reply = {}, len(rnd.paths), rnd.reply
+        # the in-process draft caught up on rounds it sat out (AR's, SSD's): a one-off, not a drafting time
+        drafting = (lambda name, seconds, batch: None) if rnd.lagged else timed
         if reply is None and plan is Plan.SD and any(p == "draft" for p in rnd.paths):  # drafted in process
-            timed("plain_draft", rnd.wait_seconds, b)
+            drafting("plain_draft", rnd.wait_seconds, b)
             state["T_b"] = rnd.wait_seconds / verify_seconds
         if reply is not None:
             if reply.build_seconds > 0 and self._prev_verify:
@@ -111,11 +113,11 @@ class RoundTelemetry:
                                             min(reply.glue_seconds, reply.build_seconds))
                 state["T_p"] = reply.build_seconds / self._prev_verify
             if any(p == "draft" for p in rnd.paths):
-                timed("draft" if plan.is_ssd else "plain_draft", rnd.wait_seconds, b)
+                drafting("draft" if plan.is_ssd else "plain_draft", rnd.wait_seconds, b)
                 if plan.is_ssd and reply.backup_seconds > 0:  # the worker's own drafting: SD's prior
-                    timed("drafting", reply.backup_seconds, b)
+                    drafting("drafting", reply.backup_seconds, b)
                 if rnd.drafted_here is not None:  # the SD speculator on every core: SD's drafting itself
-                    timed("plain_draft", rnd.drafted_here[1], rnd.drafted_here[0])
+                    drafting("plain_draft", rnd.drafted_here[1], rnd.drafted_here[0])
                 state["T_b"] = rnd.wait_seconds / verify_seconds
             elif asked and all(rnd.paths[i] == "hit" for i in asked):
                 excess = max(0.0, reply.build_seconds - (self._prev_verify or 0.0))  # counted in T_p
