@@ -1154,8 +1154,9 @@ def test_a_kept_choice_is_measured_again_where_the_runner_up_is_close_and_its_ti
     scores within PROBE_WITHIN of AR (drafting 0.02: 48.4 tok/s) it runs decide_after timed rounds (one try
     more) after UNMEASURED_AFTER decided rounds, and the rule decides again from them without the hysteresis:
     SD when its live drafting is 0.005 s (72.5 tok/s) or 0.0165 s (52.4 tok/s: within the hysteresis, which
-    would have kept AR), AR again when it is as kept. Far below (drafting 0.05: 29 tok/s) it is not run. SSD stays out by Corollary 9's cap (v = 0.025 / 0.05: 43.5 tok/s)."""
+    would have kept AR), AR again when it is as kept. Far below (drafting 0.05: 29 tok/s) it is not run."""
     from rollout_ssd.ssd.chooser import PROBE_EVERY, UNMEASURED_AFTER, Plan
+    from rollout_ssd.ssd.rule import StrategyConfig, StrategyRule
 
     kept = LiveEstimates(EstimatesConfig(k=3))
     for _ in range(3):
