@@ -154,9 +154,7 @@ class DraftSide:
     @property
     def fallback(self) -> Optional[Plan]:
         """None while healthy; after a failure, what the rounds run instead (SD in process, or AR)."""
-        if not self.failed:
-            return None
-        return Plan.SD if self.client is not None else Plan.AR
+        return None if not self.failed else Plan.SD if self.client is not None else Plan.AR
 
     # ------------------------------------------------------------------ client, failover, restarts
     def _local_server(self, model: Optional[Decoder] = None) -> DraftServer:

@@ -101,7 +101,7 @@ class RoundTelemetry:
         transfer), as the `ssd/*` state they set. SD's drafting is timed apart ("plain_draft"): on a CPU
         it runs in the target's process on every core, not in the worker as an SSD round's misses do."""
         state, b, reply = {}, len(rnd.paths), rnd.reply
-        # the in-process draft caught up on rounds it sat out (AR's, SSD's): a one-off, not a drafting time
+        # the draft caught up on rounds it sat out (AR's, SSD's; `Chains.lagged`): a one-off, not a drafting time
         drafting = (lambda name, seconds, batch: None) if rnd.lagged else timed
         if reply is None and plan is Plan.SD and any(p == "draft" for p in rnd.paths):  # drafted in process
             drafting("plain_draft", rnd.wait_seconds, b)
