@@ -378,3 +378,29 @@ def test_the_in_process_speculator_says_when_its_catch_up_was_more_than_a_rounds
         seq.append([16, 17, 18, 19], [0.0] * 4)  # AR rounds it sat out
     assert verified([0, 0], [12, 13]) == (5, True)
     assert verified([0, 0], [14, 15]) == (1, False)
+
+
+def test_which_drafting_times_a_caught_up_draft_leaves_out():
+    """`RoundTelemetry`'s drafting times: a round whose draft caught up on rounds it sat out (`Chains.lagged`:
+    the draft side's SYNC, or an SD round's speculator) times none of them; SSD misses drafted here by a
+    speculator that caught up on rows that were hits time SSD's wait ("draft") but not SD's drafting
+    ("plain_draft"): catching up on hits is SSD's recurring cost, not what an SD round's drafting costs."""
+    from types import SimpleNamespace
+
+    from rollout_ssd.ssd.draft_side import Chains
+    from rollout_ssd.ssd.telemetry import RoundTelemetry
+
+    def timed_names(plan, lagged, drafted_here, reply=True):
+        rnd = Chains.empty([False, False])
+        rnd.paths, rnd.wait_seconds, rnd.lagged, rnd.drafted_here = ["draft", "hit"], 0.01, lagged, drafted_here
+        rnd.reply = SimpleNamespace(build_seconds=0.0, glue_seconds=0.0, backup_seconds=0.003) if reply else None
+        seen = []
+        telemetry = RoundTelemetry(None, None, None, backup_name=None)
+        telemetry._observe_draft_times(plan, rnd, [0, 1], 0.02, lambda name, seconds, batch: seen.append(name))
+        return sorted(seen)
+
+    assert timed_names(Plan.SSD_DRAFT, False, (1, 0.008, False)) == ["draft", "drafting", "plain_draft"]
+    assert timed_names(Plan.SSD_DRAFT, False, (1, 0.008, True)) == ["draft", "drafting"]
+    assert timed_names(Plan.SSD_DRAFT, True, (1, 0.008, False)) == []
+    assert timed_names(Plan.SD, False, None, reply=False) == ["plain_draft"]
+    assert timed_names(Plan.SD, True, None, reply=False) == []

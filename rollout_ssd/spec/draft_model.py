@@ -108,6 +108,7 @@ class DraftModelSpeculator(Speculator):
         default draft), and q is reported on that support. A chain ends early after a token drawn
         with probability below `stop_prob`, unless `early_stop` is off (every chain ks[i] long)."""
         tokens: list[list[int]] = [[] for _ in seqs]
+        self.last_catch_up, self.lagged = 0, False
         k_max = max(ks, default=0)
         head_ids = self.model.head_token_ids
         width = head_ids.numel() if head_ids is not None else self.model.cfg.vocab_size

@@ -10,7 +10,9 @@ draft model, suffix speculation, or AR. Around the rule's scores it keeps
     few sequences says nothing about the next call's full batch);
   - AR's decode time, calibrated by an occasional timed AR step of the batch (`calibrate`);
   - rounds of plans the rule scores without having timed them at a batch size, tried once when close
-    (`_unmeasured`), and of a close runner-up now and then (`_probe`): a plan never run is never measured.
+    (`_unmeasured`), and of a close runner-up now and then (`_probe`): a plan never run is never measured;
+    a close one whose times there were all kept from an earlier engine (the rule's cache) runs for
+    decide_after rounds, then the batch size is decided again from this engine's own times (`_recheck`).
 After a draft worker failure the draft side's fallback decides instead (SD in process, or AR).
 """
 
@@ -68,6 +70,7 @@ class Chooser(SSDCap):
         self._since_probe: dict[int, int] = {}  # batch_bucket -> decided rounds since its last probe
         self._tries: dict[tuple[int, str], int] = {}  # (batch_bucket, plan label) -> unmeasured-plan rounds run
         self._rechecks: dict[tuple[int, str], int] = {}  # (batch_bucket, plan label) -> `_recheck` rounds run (-1: done)
+        self._redecide: set[int] = set()  # buckets `_recheck` measured again: the next decision there has no hysteresis
         self._decided_rounds: dict[int, int] = {}  # batch_bucket -> rounds decided there
         self._tail_round = False  # this round runs a long call's tail plan: nothing is calibrated (`choose`)
         self.shares_cores = False  # a worker process holds a CPU core beside the target (ssd/cores.py; round.py sets it)
@@ -89,7 +92,8 @@ class Chooser(SSDCap):
 
     def restore_choices(self, choices: dict[int, Plan]) -> None:
         """Start from an earlier engine's choices (`parse_choices`): at those buckets the rule decides at
-        once (no exploring rounds), keeping the choice by the hysteresis. Nothing with the rule fixed."""
+        once (no exploring rounds), keeping the choice by the hysteresis until `_recheck` has measured a close
+        plan known only from those times. Nothing with the rule fixed."""
         if self.rule.config.fixed is None:
             self._choices.update(choices)
             self._restored |= set(choices)
@@ -97,7 +101,8 @@ class Chooser(SSDCap):
     def choose(self, batch: int, fallback: Optional[Plan] = None, tail: bool = False, cold: bool = False) -> Plan:
         """The plan for a round of `batch` sequences; `fallback` (the draft side failed) overrides it.
         At a batch bucket not yet decided at, the plans are measured first (`_explore`), then the rule
-        decides: its choice stands there by the hysteresis, with `_probe`'s rounds of the others; in a
+        decides: its choice stands there by the hysteresis, with `_probe`'s rounds of the others (and
+        `_recheck`'s, after which it decides there once without the hysteresis); in a
         long call's tail (`tail`: `call_tail`), once the rule has decided somewhere, the plan running
         stands instead (AR for an SSD plan; plans.TAIL_ROUNDS); AR's due re-timing waits out a `cold` one."""
         self._tail_round = False
@@ -122,7 +127,8 @@ class Chooser(SSDCap):
             if plan is not None or inputs is None:
                 self.current = plan or self.current
                 return self.current
-        current = self._choices.get(bucket)
+        current = None if bucket in self._redecide else self._choices.get(bucket)
+        self._redecide.discard(bucket)
         decision = self.rule.decide(inputs, current=None if current is None else current.label)
         chosen, scores = Plan(decision.chosen), decision.scores
         excluded = self._excluded(bucket, inputs, scores)
@@ -274,17 +280,16 @@ class Chooser(SSDCap):
         round of another workload, which a choice would otherwise stand on for good (a plan not run is not
         measured; its draft's first round after others' is a catch-up, not a drafting time). It runs for
         decide_after timed rounds here (one try more: a round of first rounds times nothing), then the
-        choice at this bucket is made again from what this engine measured, as at a bucket it explored
+        choice at this bucket is made again with what this engine measured, as at a bucket it explored
         (the hysteresis is for its own choices). None before UNMEASURED_AFTER decided rounds there."""
         if self._decided_rounds[bucket] < UNMEASURED_AFTER:
             return None
-        need = self.config.decide_after
         for label in sorted(scores, key=scores.get, reverse=True):
             if label == chosen.label or label not in self.rule.config.candidates or label in excluded:
                 continue
             if scores[label] < scores[chosen.label] * (1 - PROBE_WITHIN):
                 return None
-            key = (bucket, label)
+            key, need = (bucket, label), 1 if label == "ar" else self.config.decide_after  # (as `_explore`)
             if key not in self._rechecks:
                 if not self._times_timed(label, bucket) or self._timed_here(label, bucket):
                     continue  # never timed (`_unmeasured`), or timed by this engine
@@ -293,7 +298,7 @@ class Chooser(SSDCap):
                 continue
             if self._timed_here(label, bucket) >= need or self._rechecks[key] > need:
                 self._rechecks[key] = -1
-                self._choices.pop(bucket, None)  # decided again on the next round (`choose`)
+                self._redecide.add(bucket)  # decided again on the next round there (`choose`)
                 return None
             self._rechecks[key] += 1
             return Plan(label)
@@ -306,6 +311,8 @@ class Chooser(SSDCap):
         if narrow:
             key = (batch_bucket(batch), plan.label)
             self._tries[key] = max(0, self._tries.get(key, 0) - 1)
+            if self._rechecks.get(key, 0) > 0:
+                self._rechecks[key] -= 1
         if plan is Plan.AR and not cold:
             self._calibrations, self._rounds_since_calibration = self._calibrations + 1, 0
         elif plan is not Plan.AR:

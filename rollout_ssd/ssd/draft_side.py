@@ -86,8 +86,8 @@ class Chains:
     backup_seconds: float = 0.0
     wait_seconds: float = 0.0  # the target's wait for the draft side's chains, request to validated reply
     whole_q: Optional[DraftDistribution] = None  # one law for the whole batch (an SD round in process)
-    drafted_here: Optional[tuple[int, float]] = None  # (rows, seconds) of misses drafted in the target's process
-    lagged: bool = False  # the draft caught up on more tokens than a round emits: it sat out rounds
+    drafted_here: Optional[tuple[int, float, bool]] = None  # misses drafted in the target's process: rows, seconds, lagged
+    lagged: bool = False  # the draft (the draft side; an SD round's speculator) caught up on rounds it sat out
 
     @classmethod
     def empty(cls, first: list[bool]) -> "Chains":

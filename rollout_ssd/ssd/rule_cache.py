@@ -9,8 +9,9 @@ each batch bucket (ssd/chooser.py, `kept_choices`) in a JSON file; an engine wit
 them: the times as measurements and the choices as its own, so at those buckets the rule decides at
 once, keeping a choice by the hysteresis as a long-running engine would; the rates as priors, which
 its own rounds outweigh within a few rounds. The rule goes on measuring as always (probes of close
-plans, AR's calibrations), so a cache from a slower or faster hour of a shared host, or another
-workload, is corrected as the engine runs.
+plans, AR's calibrations), and a close plan it knows only from the cache at a batch size is run there for
+a few rounds and the batch size decided again (ssd/chooser.py, `_recheck`), so a cache from a slower or
+faster hour of a shared host, or another workload, is corrected as the engine runs.
 
 The key is everything the times depend on: the CPU (model name, kind, cores), torch's threads, the
 device, the target's and draft's architecture and dtype (and for a bf16 CPU model the linear kernels it

@@ -101,7 +101,7 @@ class RoundTelemetry:
         transfer), as the `ssd/*` state they set. SD's drafting is timed apart ("plain_draft"): on a CPU
         it runs in the target's process on every core, not in the worker as an SSD round's misses do."""
         state, b, reply = {}, len(rnd.paths), rnd.reply
-        # the draft caught up on rounds it sat out (AR's, SSD's; `Chains.lagged`): a one-off, not a drafting time
+        # the draft caught up on rounds it sat out (AR's; `Chains.lagged`): a one-off, not a drafting time
         drafting = (lambda name, seconds, batch: None) if rnd.lagged else timed
         if reply is None and plan is Plan.SD and any(p == "draft" for p in rnd.paths):  # drafted in process
             drafting("plain_draft", rnd.wait_seconds, b)
@@ -116,8 +116,9 @@ class RoundTelemetry:
                 drafting("draft" if plan.is_ssd else "plain_draft", rnd.wait_seconds, b)
                 if plan.is_ssd and reply.backup_seconds > 0:  # the worker's own drafting: SD's prior
                     drafting("drafting", reply.backup_seconds, b)
-                if rnd.drafted_here is not None:  # the SD speculator on every core: SD's drafting itself
-                    drafting("plain_draft", rnd.drafted_here[1], rnd.drafted_here[0])
+                if rnd.drafted_here is not None and not rnd.drafted_here[2]:  # the SD speculator on every core: SD's
+                    drafting("plain_draft", rnd.drafted_here[1], rnd.drafted_here[0])  # drafting, unless it caught up
+                    # on rows that were hits (an SSD cost, in "draft" above, not SD's)
                 state["T_b"] = rnd.wait_seconds / verify_seconds
             elif asked and all(rnd.paths[i] == "hit" for i in asked):
                 excess = max(0.0, reply.build_seconds - (self._prev_verify or 0.0))  # counted in T_p
