@@ -51,8 +51,9 @@ from rollout_ssd.ssd.chooser import Chooser
 
 log = logging.getLogger(__name__)
 
-FORMAT = 3  # 2: float32 few-row GEMMs by CPU kind, the int4 draft's kernel in bf16 (what rounds cost changed);
+FORMAT = 4  # 2: float32 few-row GEMMs by CPU kind, the int4 draft's kernel in bf16 (what rounds cost changed);
 # 3: the cap's one-core verify kept with SD's verify of that moment ("narrow_ref"; a file without it would keep v stale)
+# 4: SD's drafting time leaves out a round whose draft caught up on rounds it sat out (older files hold those)
 # SSDConfig fields that do not change what a round costs (failure handling, the cache itself)
 UNKEYED = ("worker_timeout", "startup_timeout", "fallback", "max_restarts", "rule_cache")
 
