@@ -72,7 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-max-new-tokens", type=int, default=96)
     p.add_argument("--eval-init", action="store_true", help="also measure the untrained draft's acceptance")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="threads while training and measuring")
+    p.add_argument("--threads", type=int, default=0, help="threads while training and measuring (0: every core)")
     p.add_argument("--max-checkpoint-bytes", type=int, default=None,
                    help="size limit of the saved draft (default: the package's, for a draft that ships in it; "
                         "0: none, for a candidate measured from outside the package)")
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cores = torch.get_num_threads()  # torch's default: the cores this process may use
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or cores)
     torch.manual_seed(args.seed)
     command = "python -m recipes.distill_draft " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     log.info("config: %s", json.dumps(vars(args), sort_keys=True))
