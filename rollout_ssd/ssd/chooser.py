@@ -260,19 +260,25 @@ class Chooser(SSDCap):
         other plans' times led the rule astray on a CPU (bench/RESULTS.md, the seventh session's
         section); one round measures it. Timed at the next larger bucket counts as measured (scaled).
         None when every close plan is measured, or before UNMEASURED_AFTER decided rounds at the bucket."""
-        if self._decided_rounds[bucket] < UNMEASURED_AFTER:
-            return None
-        for label in sorted(scores, key=scores.get, reverse=True):
-            if label == chosen.label or label not in self.rule.config.candidates or label in excluded:
-                continue
-            if scores[label] < scores[chosen.label] * (1 - UNMEASURED_WITHIN):
-                return None
+        for label in self._close_others(bucket, chosen, scores, excluded, UNMEASURED_WITHIN):
             tries = self._tries.get((bucket, label), 0)
             if tries < UNMEASURED_TRIES and not self._times_timed(label, bucket) \
                     and not self._times_timed(label, bucket + 1):  # (scaled from there: `_explore`)
                 self._tries[(bucket, label)] = tries + 1
                 return Plan(label)
         return None
+
+    def _close_others(self, bucket: int, chosen: Plan, scores: dict[str, float], excluded: set[str], within: float):
+        """The candidate plans other than `chosen` (none of `excluded`) scoring within `within` of it, best first;
+        none before UNMEASURED_AFTER decided rounds at the bucket (`_unmeasured`'s and `_recheck`'s walk)."""
+        if self._decided_rounds[bucket] < UNMEASURED_AFTER:
+            return
+        for label in sorted(scores, key=scores.get, reverse=True):
+            if label == chosen.label or label not in self.rule.config.candidates or label in excluded:
+                continue
+            if scores[label] < scores[chosen.label] * (1 - within):
+                return
+            yield label
 
     def _recheck(self, bucket: int, chosen: Plan, scores: dict[str, float], excluded: set[str]) -> Optional[Plan]:
         """A close plan (within PROBE_WITHIN of the chosen one) whose times at this bucket all came from an
@@ -282,13 +288,7 @@ class Chooser(SSDCap):
         decide_after timed rounds here (one try more: a round of first rounds times nothing), then the
         choice at this bucket is made again with what this engine measured, as at a bucket it explored
         (the hysteresis is for its own choices). None before UNMEASURED_AFTER decided rounds there."""
-        if self._decided_rounds[bucket] < UNMEASURED_AFTER:
-            return None
-        for label in sorted(scores, key=scores.get, reverse=True):
-            if label == chosen.label or label not in self.rule.config.candidates or label in excluded:
-                continue
-            if scores[label] < scores[chosen.label] * (1 - PROBE_WITHIN):
-                return None
+        for label in self._close_others(bucket, chosen, scores, excluded, PROBE_WITHIN):
             key, need = (bucket, label), 1 if label == "ar" else self.config.decide_after  # (as `_explore`)
             if key not in self._rechecks:
                 if not self._times_timed(label, bucket) or self._timed_here(label, bucket):

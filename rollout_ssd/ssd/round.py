@@ -210,8 +210,8 @@ class SSDDecode(DecodeStrategy):
             cores.widen()
         if self.sd is None:  # taken up here, with the live sequences' prefill: a one-off, timed as a first round
             rnd.first = [True] * len(running)
-        seconds = _fill(rnd, rows, running, ks, self._speculator(), "draft")
-        rnd.drafted_here = (len(rows), seconds, self._speculator().lagged)  # (its hits' catch-up: SSD's, not SD's)
+        sd = self._speculator()
+        rnd.drafted_here = (len(rows), _fill(rnd, rows, running, ks, sd, "draft"), sd.lagged)  # (lagged on hits: SSD's cost)
         if cores is not None:
             cores.narrow()
         rnd.wait_seconds += rnd.drafted_here[1]
