@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from typing import Optional
 
@@ -55,9 +56,7 @@ def demo(args) -> int:
         with engine:
             rollouts = engine.sample(DEMO_PROMPTS, params, progress=True)
             m = engine.metrics()
-            note = _rule_cache_note(method, engine.strategy)
-            if note is not None:
-                notes.append(note)
+            notes += [n for n in (_cap_note(method, m), _rule_cache_note(method, engine.strategy)) if n is not None]
         if not shown:
             for r in rollouts:
                 print(f"--- prompt {r.prompt_index} sample {r.sample_index} ({len(r.token_ids)} tokens, {r.finish_reason})")
@@ -71,6 +70,19 @@ def demo(args) -> int:
     for note in notes:
         print(note)
     return 0
+
+
+def _cap_note(method: str, m: dict) -> Optional[str]:
+    """What bounds an SSD engine's SSD plans here (`ssd/cap`, `ssd/v`, `ssd/cap_batch`: ssd/ssd_cap.py), or
+    None (AR, SD, or no batch size decided at)."""
+    cap, v, batch = (m.get(names.ssd_state(k)) for k in ("cap", "v", "cap_batch"))
+    if cap is None:
+        return None
+    where = "" if v is None or math.isnan(v) else f", v = {v:.2f}" + (
+        "" if v >= 1 else ": SSD verifies on the target's own core, beside the draft worker")
+    verdict = "SSD can win there" if cap > 1 else "SSD cannot win there, so the rule runs the best of the others"
+    return (f"{method}: Corollary 9's cap on SSD over the best plan measured at {batch} sequence{'s' * (batch != 1)} "
+            f"(the last batch size decided at): {cap:.2f}{where} ({verdict})")
 
 
 def _rule_cache_note(method: str, strategy) -> Optional[str]:

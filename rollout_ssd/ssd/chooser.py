@@ -132,6 +132,7 @@ class Chooser(SSDCap):
         decision = self.rule.decide(inputs, current=None if current is None else current.label)
         chosen, scores = Plan(decision.chosen), decision.scores
         excluded = self._excluded(bucket, inputs, scores)
+        self.stats.set_ssd_state(**self.cap_state(bucket, inputs, scores))  # ssd/cap, ssd/v, ssd/cap_batch
         if chosen.label in excluded:
             chosen = Plan(max((c for c in self.rule.config.candidates if c not in excluded), key=scores.get))
         if chosen is not self.current:

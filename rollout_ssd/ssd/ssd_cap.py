@@ -1,11 +1,13 @@
 """The SSD cap: which SSD plans the chooser (ssd/chooser.py) leaves out at a batch size because they cannot
 beat what was measured there (Corollary 9's cap in tokens per second, `_excluded`), and the one-core times
-its v needs beside a worker process (`narrow_verify`, `_time_verify_shape`): a mixin of `Chooser`, whose
-state (rule, estimates, config, shares_cores, _v_waits) it reads.
+its v needs beside a worker process (`narrow_verify`, `_time_verify_shape`); and that cap over the best
+measured plan as the `ssd/cap` metric (`cap_state`), which says whether SSD can pay on this machine at all.
+A mixin of `Chooser`, whose state (rule, estimates, config, shares_cores, _v_waits) it reads.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from rollout_ssd.runner import ModelRunner
@@ -71,18 +73,43 @@ class SSDCap:
 
     def _ssd_cap(self, bucket: int, inputs: StrategyInputs, v: Optional[float]) -> float:
         """`_excluded`'s bound on SSD's batch tokens per second at v (None: v from what was timed here)."""
-        est, b = self.estimates, inputs.batch_size
-        verify = inputs.plain_verify_seconds if est.measured("plain_verify", bucket) else inputs.decode_seconds
-        if not est.measured("plain_verify", bucket) and est.measured("plain_verify", bucket + 1):
-            verify = max(verify, est.scaled_down("plain_verify", b, bucket + 1))  # SD left unmeasured here (`_explore`)
+        b, verify = inputs.batch_size, self._cap_verify(bucket, inputs)
         if v is None:
-            source, v = self._v_source(bucket), 1.0
-            if source == "verify_narrow":
-                ref = est.seconds("narrow_ref", b) if est.measured("narrow_ref", bucket) else verify  # (then)
-                v = min(1.0, ref / est.seconds("verify_narrow", b))  # the verify's own shape on one core
-            elif source == "decode_narrow":
-                v = min(1.0, est.seconds("decode", b) / est.seconds("decode_narrow", b))
-        return b * expected_tokens_per_round(est.accept_rate("draft"), inputs.k) * v / verify
+            v = self._v(bucket, b, verify)
+        return b * expected_tokens_per_round(self.estimates.accept_rate("draft"), inputs.k) * (1.0 if v is None else v) / verify
+
+    def _cap_verify(self, bucket: int, inputs: StrategyInputs) -> float:
+        """The verify seconds `_ssd_cap` divides by: SD's, timed here; else its lower bound from the next
+        larger bucket (`scaled_down`) or an AR step."""
+        est = self.estimates
+        verify = inputs.plain_verify_seconds if est.measured("plain_verify", bucket) else inputs.decode_seconds
+        if not est.measured("plain_verify", bucket) and est.measured("plain_verify", bucket + 1):  # SD left unmeasured here
+            verify = max(verify, est.scaled_down("plain_verify", inputs.batch_size, bucket + 1))  # (`_explore`)
+        return verify
+
+    def _v(self, bucket: int, batch: int, verify: float) -> Optional[float]:
+        """The cap's v at this bucket from what was timed here (`_v_source`; `verify`: SD's verify, the
+        reference where the one-core time's own was not kept), or None while neither source was timed."""
+        est, source = self.estimates, self._v_source(bucket)
+        if source == "verify_narrow":
+            ref = est.seconds("narrow_ref", batch) if est.measured("narrow_ref", bucket) else verify  # (then)
+            return min(1.0, ref / est.seconds("verify_narrow", batch))  # the verify's own shape on one core
+        if source == "decode_narrow":
+            return min(1.0, est.seconds("decode", batch) / est.seconds("decode_narrow", batch))
+        return None
+
+    def cap_state(self, bucket: int, inputs: StrategyInputs, scores: dict[str, float]) -> dict[str, float]:
+        """`ssd/cap`, `ssd/v` and `ssd/cap_batch` (the batch size they are for) for the metrics, at a bucket
+        where AR or plain speculation was timed (else empty): Corollary 9's bound on SSD's tokens per second
+        there (`_ssd_cap`) over the best of those plans, so SSD can beat them there only where it is above 1;
+        and its v (1 where no worker shares the CPU's cores, NaN while the one-core time it needs is untimed,
+        the cap then taken at v = 1)."""
+        measured = self._measured_others(bucket, scores)
+        if not measured or not any(Plan(c).is_ssd for c in self.rule.config.candidates):
+            return {}
+        v = self._v(bucket, inputs.batch_size, self._cap_verify(bucket, inputs)) if self.shares_cores else 1.0
+        cap = self._ssd_cap(bucket, inputs, v=1.0 if v is None else v) / max(scores[c] for c in measured)
+        return {"cap": cap, "v": math.nan if v is None else v, "cap_batch": inputs.batch_size}
 
     def _needs_verify_shape(self, bucket: int, batch: int) -> bool:
         """Whether `_excluded`'s v is worth timing at this bucket: SSD plans are untimed here and plain
