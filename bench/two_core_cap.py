@@ -20,10 +20,13 @@ held-out templates, this times (medians):
 and prints the cap as measured and at the best v, the T_SD a draft would need for SSD >= 1.3x SD there
 (issue 15's batch-1 target), the cap with the worker's chain, and the tokens per round E(a, K) (and the
 per-token acceptance a) that SSD and SD would need for `--ar-target` x AR (default 2: the batch-1 target)
-with their verifies as measured. Table, then a JSON last line.
+with their rounds' least costs as measured (SSD: the larger of its verify and the worker's chain). The
+neighbour runs 4-row steps at every `--batch`: at larger batches the worker's real load is more, so the
+verify beside it is a lower bound there. Table, then a JSON last line.
 
     .venv/bin/python bench/two_core_cap.py
     .venv/bin/python bench/two_core_cap.py --draft target-int4 --k 3
+    .venv/bin/python bench/two_core_cap.py --batch 4 --ar-target 1.5     # the main job's batch size
     .venv/bin/python bench/two_core_cap.py --batch 24 --ar-target 1.15   # a GRPO batch's 24 sequences
     .venv/bin/python bench/two_core_cap.py --quick                       # a smoke run
 """
@@ -75,15 +78,16 @@ def median_ms(fn, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def tree_steps(core: int, draft: str, prompt: list[int], ready, stop) -> None:
-    """The neighbour process: the draft's TREE_ROWS-row steps on one core, in a loop until `stop`."""
+def tree_steps(core: int, draft: str, prompt: list[int], ready, stop, parent: int) -> None:
+    """The neighbour process: the draft's TREE_ROWS-row steps on one core, in a loop until `stop` (or its
+    parent is gone: killed, the parent cannot set it)."""
     pin({core}, 1)
     _, loaded = load_default_pair(draft, dtype="auto")
     runner = ModelRunner(loaded.model, num_slots=TREE_ROWS, max_len=len(prompt) + 16)
     slots = [runner.allocate() for _ in range(TREE_ROWS)]
     runner.prefill(slots, [prompt] * TREE_ROWS)
     ready.set()
-    while not stop.is_set():
+    while not stop.is_set() and os.getppid() == parent:
         runner.extend(slots, [[prompt[-1]]] * TREE_ROWS, last_only=True)
         for s in slots:
             runner.rollback(s, len(prompt))
@@ -164,11 +168,13 @@ def main(argv=None):
     bw_own = max(memory_bandwidth()["read_gbps"], weights_read_gbps(target.model))
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Event(), ctx.Event()
-    neighbour = ctx.Process(target=tree_steps, args=(other, args.draft, prompts[0], ready, stop), daemon=True)
+    neighbour = ctx.Process(target=tree_steps, args=(other, args.draft, prompts[0], ready, stop, os.getpid()),
+                            daemon=True)
     neighbour.start()
     try:
-        if not ready.wait(timeout=300):
-            raise SystemExit("the neighbour process did not start")
+        while not ready.wait(timeout=1):
+            if not neighbour.is_alive():
+                raise SystemExit(f"the neighbour process exited before its first step (code {neighbour.exitcode})")
         verify_beside = verify_ms(runner, slots, prompts, args.k, repeats)
     finally:
         stop.set()
@@ -199,12 +205,13 @@ def main(argv=None):
             # chain fits the verify)
             "cap with the worker's chain, measured verify": (verify_wide + drafting) / max(verify_beside, chain_own),
             "cap with the worker's chain, best verify": (verify_wide + drafting) / max(floor_own, chain_own)}
-    # a round emits at most E(a, K) tokens a sequence and costs at least its verify, so SSD / AR <= E(a, K) *
-    # AR's step / SSD's verify and SD / AR <= E(a, K) * AR's step / SD's verify, whatever the draft costs:
-    # the E (and a) a speedup of --ar-target needs
+    # a round emits at most E(a, K) tokens a sequence; an SSD round costs at least the larger of its verify
+    # and the worker's chain, an SD round at least its verify: so SSD / AR <= E(a, K) * AR's step / that
+    # larger one, SD / AR <= E(a, K) * AR's step / SD's verify (drafting free): the E (and a) a speedup of
+    # --ar-target needs
     x = args.ar_target
-    for label, verify in (("SSD, measured 1-core verify", verify_beside), ("SSD, best 1-core verify", floor_own),
-                          ("SD, free drafting", verify_wide)):
+    for label, verify in (("SSD, measured 1-core verify", max(verify_beside, chain_own)),
+                          ("SSD, best 1-core verify", max(floor_own, chain_own)), ("SD, free drafting", verify_wide)):
         tokens = x * verify / decode_wide
         caps[f"E(a, K) needed for {x}x AR: {label}"] = tokens
         caps[f"acceptance a needed for it ({label})"] = acceptance_for(tokens, args.k)

@@ -74,13 +74,13 @@ def demo(args) -> int:
 
 def _cap_note(method: str, m: dict) -> Optional[str]:
     """What bounds an SSD engine's SSD plans here (`ssd/cap`, `ssd/v`, `ssd/cap_batch`: ssd/ssd_cap.py), or
-    None (AR, SD, or no batch size decided at)."""
+    None (AR, SD, no batch size decided at, or no cap there)."""
     cap, v, batch = (m.get(names.ssd_state(k)) for k in ("cap", "v", "cap_batch"))
-    if cap is None:
+    if cap is None or math.isnan(cap):
         return None
     where = "" if v is None or math.isnan(v) else f", v = {v:.2f}" + (
         "" if v >= 1 else ": SSD verifies on the target's own core, beside the draft worker")
-    verdict = "SSD can win there" if cap > 1 else "SSD cannot win there, so the rule runs the best of the others"
+    verdict = "SSD may beat it there" if cap > 1 else "SSD cannot beat it there"
     return (f"{method}: Corollary 9's cap on SSD over the best plan measured at {batch} sequence{'s' * (batch != 1)} "
             f"(the last batch size decided at): {cap:.2f}{where} ({verdict})")
 

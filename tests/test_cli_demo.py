@@ -52,7 +52,7 @@ def test_the_demo_says_what_the_ssd_engines_rule_started_from():
 
 def test_the_demo_says_whether_ssd_can_win_on_this_machine():
     """The cap line under the table (`ssd/cap`, `ssd/v`, `ssd/cap_batch`): the cap, at what batch size, v and
-    why it is below 1 beside a worker; 'can win' above 1; no v where it was not timed; nothing without a cap."""
+    why it is below 1 beside a worker; 'may beat' above 1; no v where it was not timed; nothing without a cap."""
     from rollout_ssd.cli import _cap_note
 
     def m(cap, v, batch):
@@ -60,10 +60,10 @@ def test_the_demo_says_whether_ssd_can_win_on_this_machine():
 
     assert _cap_note("ssd", m(0.694, 0.56, 2)) == (
         "ssd: Corollary 9's cap on SSD over the best plan measured at 2 sequences (the last batch size decided "
-        "at): 0.69, v = 0.56: SSD verifies on the target's own core, beside the draft worker (SSD cannot win there, "
-        "so the rule runs the best of the others)")
+        "at): 0.69, v = 0.56: SSD verifies on the target's own core, beside the draft worker (SSD cannot beat it "
+        "there)")
     assert _cap_note("ssd", m(1.35, 1.0, 1)) == (
         "ssd: Corollary 9's cap on SSD over the best plan measured at 1 sequence (the last batch size decided "
-        "at): 1.35, v = 1.00 (SSD can win there)")
+        "at): 1.35, v = 1.00 (SSD may beat it there)")
     assert "v =" not in _cap_note("ssd", m(1.35, float("nan"), 4))
-    assert _cap_note("sd", {}) is None
+    assert _cap_note("sd", {}) is None and _cap_note("ssd", m(float("nan"), float("nan"), 4)) is None

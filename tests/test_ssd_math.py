@@ -1115,13 +1115,15 @@ def test_ssd_waits_for_the_caps_one_core_time_beside_a_worker(shares_cores, narr
 
 
 @pytest.mark.parametrize("shares_cores,narrow,v,cap", [(True, 0.05, 0.5, 0.700), (True, 0.026, 0.025 / 0.026, 1.346),
-                                                       (True, None, math.nan, 1.400), (False, 0.05, 1.0, 1.400)])
+                                                       (True, None, math.nan, 1.400), (False, None, 1.0, 1.400),
+                                                       (False, 0.05, 0.5, 0.700)])
 def test_the_cap_metric_says_whether_ssd_can_beat_the_best_plan_measured(shares_cores, narrow, v, cap):
     """`ssd/cap` (`cap_state`): the cap of the test above over the best timed plan. Priors a = 0.6, K = 3: E =
     2.176; at 3 sequences AR 150 tok/s, SD 186.5; the cap at v = 1 is 261.1 tok/s (1.400 of SD). A one-core
     verify of 0.05 s gives v = 0.5 (cap 0.700), of 0.026 s v = 0.962 (1.346); beside a worker and untimed,
-    v is NaN and the cap the one at v = 1; without a worker v is 1. Published by a decided round, with
-    the batch size it is for; nothing where no AR or SD round was timed."""
+    v is NaN and the cap the one at v = 1; without a worker v is 1 (or, timed while there was one, what
+    `_excluded` takes: the metric and the rule agree). Published by a decided round, with the batch size
+    it is for; NaN where no AR or SD round was timed (no stale value from another bucket)."""
     from rollout_ssd.ssd import rule as rules
 
     chooser, _ = _fresh_chooser(k=3)
@@ -1135,8 +1137,11 @@ def test_the_cap_metric_says_whether_ssd_can_beat_the_best_plan_measured(shares_
     state = chooser.cap_state(2, inputs, rules.strategy_scores(inputs, chooser.rule.config.candidates))
     assert state["cap"] == pytest.approx(cap, abs=1e-3) and state["cap_batch"] == 3
     assert state["v"] == pytest.approx(v, nan_ok=True)
+    assert chooser._excluded(2, inputs, rules.strategy_scores(inputs, chooser.rule.config.candidates)) == (
+        {"ssd+neural"} if cap < 1 or math.isnan(v) else set())  # the rule's cap agrees (untimed v: SSD waits for it)
     wider = est.inputs(4)  # (bucket 3: nothing timed there)
-    assert chooser.cap_state(3, wider, rules.strategy_scores(wider, chooser.rule.config.candidates)) == {}
+    empty = chooser.cap_state(3, wider, rules.strategy_scores(wider, chooser.rule.config.candidates))
+    assert math.isnan(empty["cap"]) and math.isnan(empty["v"]) and empty["cap_batch"] == 4
     chooser._choices[2] = chooser.current  # a decided bucket: the next round publishes it
     chooser.choose(3)
     assert chooser.stats.ssd_state["cap"] == pytest.approx(cap, abs=1e-3)  # ssd/cap once a round is counted

@@ -82,7 +82,8 @@ class SSDCap:
         """The verify seconds `_ssd_cap` divides by: SD's, timed here; else its lower bound from the next
         larger bucket (`scaled_down`) or an AR step."""
         est = self.estimates
-        verify = inputs.plain_verify_seconds if est.measured("plain_verify", bucket) else inputs.decode_seconds
+        verify = inputs.plain_verify_seconds if est.measured("plain_verify", bucket) else None
+        verify = verify or inputs.decode_seconds  # (inputs made without SD's verify: the rule's own fallback)
         if not est.measured("plain_verify", bucket) and est.measured("plain_verify", bucket + 1):  # SD left unmeasured here
             verify = max(verify, est.scaled_down("plain_verify", inputs.batch_size, bucket + 1))  # (`_explore`)
         return verify
@@ -99,17 +100,20 @@ class SSDCap:
         return None
 
     def cap_state(self, bucket: int, inputs: StrategyInputs, scores: dict[str, float]) -> dict[str, float]:
-        """`ssd/cap`, `ssd/v` and `ssd/cap_batch` (the batch size they are for) for the metrics, at a bucket
-        where AR or plain speculation was timed (else empty): Corollary 9's bound on SSD's tokens per second
-        there (`_ssd_cap`) over the best of those plans, so SSD can beat them there only where it is above 1;
-        and its v (1 where no worker shares the CPU's cores, NaN while the one-core time it needs is untimed,
-        the cap then taken at v = 1)."""
+        """`ssd/cap`, `ssd/v` and `ssd/cap_batch` (the batch size they are for) for the metrics: Corollary 9's
+        bound on SSD's tokens per second at this bucket (`_ssd_cap`, as `_excluded` takes it) over the best AR
+        or plain plan timed there, so SSD can beat them there only where it is above 1; and its v (1 where
+        no worker shares the CPU's cores and none was timed, NaN while the one-core time it needs is untimed
+        beside a worker: the cap is then taken at v = 1). Both NaN where no AR or plain plan was timed here
+        (no stale value from another bucket)."""
         measured = self._measured_others(bucket, scores)
         if not measured or not any(Plan(c).is_ssd for c in self.rule.config.candidates):
-            return {}
-        v = self._v(bucket, inputs.batch_size, self._cap_verify(bucket, inputs)) if self.shares_cores else 1.0
-        cap = self._ssd_cap(bucket, inputs, v=1.0 if v is None else v) / max(scores[c] for c in measured)
-        return {"cap": cap, "v": math.nan if v is None else v, "cap_batch": inputs.batch_size}
+            return {"cap": math.nan, "v": math.nan, "cap_batch": inputs.batch_size}
+        v = self._v(bucket, inputs.batch_size, self._cap_verify(bucket, inputs))
+        cap = self._ssd_cap(bucket, inputs, v=v) / max(scores[c] for c in measured)
+        if v is None:
+            v = math.nan if self.shares_cores else 1.0
+        return {"cap": cap, "v": v, "cap_batch": inputs.batch_size}
 
     def _needs_verify_shape(self, bucket: int, batch: int) -> bool:
         """Whether `_excluded`'s v is worth timing at this bucket: SSD plans are untimed here and plain
