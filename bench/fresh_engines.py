@@ -8,7 +8,9 @@ workload by workload, `--repeats` times over, so machine noise hits them alike. 
   - batch1: 4 chat prompts of the held-out templates, one `sample` call each, greedy, 96 tokens;
   - grpo: 6 prompts x n=4, T=1, EOS on, up to 160 new tokens (a GRPO step's rollouts);
   - grpo128: 32 prompts x n=4, T=1, EOS on, up to 96 new tokens (128 sequences, the CPU default batch).
-Table (tok/s per method, SSD against the better of AR and SD, SSD's rounds and their seconds by strategy
+Table (tok/s per method, SSD against the better of AR and SD, and the same by call time: the faster of AR's
+and SD's calls' seconds over SSD's, since at T = 1 the engines draw different samples, whose lengths
+differ, and an RL step waits for the whole call; SSD's rounds and their seconds by strategy
 per run, "(calibration)" the AR calibration steps inside them, next to the whole call's seconds), JSON
 last line.
 
@@ -129,6 +131,7 @@ def main(argv=None):
         rate = {m: totals[(w, m)]["tokens"] / totals[(w, m)]["seconds"] for m in ("ar", "sd", "ssd")}
         rows.append({"workload": w, "AR tok/s": rate["ar"], "SD tok/s": rate["sd"], "SSD tok/s": rate["ssd"],
                      "SSD / best(AR, SD)": rate["ssd"] / max(rate["ar"], rate["sd"]), "SSD / AR": rate["ssd"] / rate["ar"],
+                     "by call time": min(totals[(w, m)]["seconds"] for m in ("ar", "sd")) / totals[(w, "ssd")]["seconds"],
                      "SD accept": totals[(w, "sd")].get("accept"),
                      "SSD rounds by strategy": ", ".join(f"{k} {v}" for k, v in totals[(w, "ssd")]["rounds"].items()),
                      "SSD seconds by strategy": ", ".join(f"{k} {v / args.repeats:.2f}"
