@@ -184,10 +184,15 @@ def ab_decode_steps(old, new, prompts, batches, steps: int, rev: str) -> list[di
     return rows
 
 
+def step_weights(model) -> list:
+    """The weight tensors a decode step reads whole: the final norm, the head, every layer's (a tied head
+    counted once; an untied embedding is read only at its looked-up rows)."""
+    return [model.norm, model.lm_head, *model.layers.parameters()]
+
+
 def bytes_per_step(model, batch: int) -> int:
     """Weight bytes a decode step of `batch` rows reads (tied head counted once; B embedding rows)."""
-    touched = [model.norm, model.lm_head, *model.layers.parameters()]
-    elems = sum(t.numel() for t in touched)
+    elems = sum(t.numel() for t in step_weights(model))
     if model.lm_head is not model.embed:  # an untied embedding is read only at the B looked-up rows
         elems += batch * model.cfg.hidden_size
     return elems * model.embed.element_size()

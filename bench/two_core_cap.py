@@ -36,16 +36,16 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import statistics
 import time
 
 import torch
-from bench_ar import bytes_per_step
+from bench_ar import bytes_per_step, step_weights
 from common import (
     add_repo_to_path,
     bench_prompts,
     load_default_pair,
     machine_note,
+    median_seconds,
     memory_bandwidth,
     print_json_line,
     print_table,
@@ -67,15 +67,10 @@ def pin(cores: set[int], threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def median_ms(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+def rollback(runner: ModelRunner, slots: list[int], prompts: list[list[int]]) -> None:
+    """Each slot back to its prompt (a timed step's tokens undone)."""
+    for slot, p in zip(slots, prompts):
+        runner.rollback(slot, len(p))
 
 
 def tree_steps(core: int, draft: str, prompt: list[int], ready, stop, parent: int) -> None:
@@ -89,16 +84,14 @@ def tree_steps(core: int, draft: str, prompt: list[int], ready, stop, parent: in
     ready.set()
     while not stop.is_set() and os.getppid() == parent:
         runner.extend(slots, [[prompt[-1]]] * TREE_ROWS, last_only=True)
-        for s in slots:
-            runner.rollback(s, len(prompt))
+        rollback(runner, slots, [prompt] * TREE_ROWS)
 
 
 def verify_ms(runner: ModelRunner, slots: list[int], prompts: list[list[int]], k: int, repeats: int) -> float:
     def verify():
         runner.extend(slots, [p[-k - 1:] for p in prompts])  # K+1 tokens a row, logits at each (a verify)
-        for slot, p in zip(slots, prompts):
-            runner.rollback(slot, len(p))
-    return median_ms(verify, repeats)
+        rollback(runner, slots, prompts)
+    return 1e3 * median_seconds(verify, repeats)
 
 
 def drafting_ms(runner: ModelRunner, slots: list[int], prompts: list[list[int]], k: int, repeats: int) -> float:
@@ -107,13 +100,13 @@ def drafting_ms(runner: ModelRunner, slots: list[int], prompts: list[list[int]],
         for _ in range(k):
             q = torch.softmax(runner.extend(slots, tokens, last_only=True), dim=-1)
             tokens = [[t] for t in q.argmax(dim=-1).tolist()]
-        for slot, p in zip(slots, prompts):
-            runner.rollback(slot, len(p))
-    return median_ms(chain, repeats)
+        rollback(runner, slots, prompts)
+    return 1e3 * median_seconds(chain, repeats)
 
 
 def acceptance_for(tokens: float, k: int) -> float:
-    """The per-token acceptance a at which a K-token chain emits `tokens` a round, E(a, K) (>1: none)."""
+    """The per-token acceptance a at which a K-token chain emits `tokens` a round, E(a, K) (inf where that
+    is more than K + 1, which no acceptance gives)."""
     if tokens > k + 1:
         return float("inf")
     lo, hi = 0.0, 1.0
@@ -125,7 +118,7 @@ def acceptance_for(tokens: float, k: int) -> float:
 
 def weights_read_gbps(model) -> float:
     """One pass of `sum()` over the weights a decode step reads, at the current thread count: GB/s."""
-    touched = [model.norm, model.lm_head, *model.layers.parameters()]  # (as bench_ar.bytes_per_step)
+    touched = step_weights(model)
     for t in touched:
         t.sum()
     t0 = time.perf_counter()

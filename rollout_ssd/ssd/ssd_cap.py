@@ -73,10 +73,15 @@ class SSDCap:
 
     def _ssd_cap(self, bucket: int, inputs: StrategyInputs, v: Optional[float]) -> float:
         """`_excluded`'s bound on SSD's batch tokens per second at v (None: v from what was timed here)."""
-        b, verify = inputs.batch_size, self._cap_verify(bucket, inputs)
+        verify = self._cap_verify(bucket, inputs)
         if v is None:
-            v = self._v(bucket, b, verify)
-        return b * expected_tokens_per_round(self.estimates.accept_rate("draft"), inputs.k) * (1.0 if v is None else v) / verify
+            v = self._v(bucket, inputs.batch_size, verify)
+        return self._cap_at(inputs, verify, v)
+
+    def _cap_at(self, inputs: StrategyInputs, verify: float, v: Optional[float]) -> float:
+        """b * E(a, K) * v / verify: every verdict a hit, a full K-token chain (v None: 1)."""
+        tokens = expected_tokens_per_round(self.estimates.accept_rate("draft"), inputs.k)
+        return inputs.batch_size * tokens * (1.0 if v is None else v) / verify
 
     def _cap_verify(self, bucket: int, inputs: StrategyInputs) -> float:
         """The verify seconds `_ssd_cap` divides by: SD's, timed here; else its lower bound from the next
@@ -109,8 +114,9 @@ class SSDCap:
         measured = self._measured_others(bucket, scores)
         if not measured or not any(Plan(c).is_ssd for c in self.rule.config.candidates):
             return {"cap": math.nan, "v": math.nan, "cap_batch": inputs.batch_size}
-        v = self._v(bucket, inputs.batch_size, self._cap_verify(bucket, inputs))
-        cap = self._ssd_cap(bucket, inputs, v=v) / max(scores[c] for c in measured)
+        verify = self._cap_verify(bucket, inputs)
+        v = self._v(bucket, inputs.batch_size, verify)
+        cap = self._cap_at(inputs, verify, v) / max(scores[c] for c in measured)
         if v is None:
             v = math.nan if self.shares_cores else 1.0
         return {"cap": cap, "v": v, "cap_batch": inputs.batch_size}
