@@ -26,6 +26,7 @@ from rollout_ssd.ssd.saguaro import saguaro_probs, top_f_mask
 from rollout_ssd.ssd.tree import SaguaroRule
 from tests.support.laws import decoder_next_logits, exact_law
 from tests.support.models import tiny_pair
+from tests.support.ran import assert_ran
 from tests.support.stats import assert_fits
 from tests.test_ssd_helpers import ar_engine, ssd_engine
 
@@ -57,11 +58,11 @@ def test_greedy_ssd_equals_ar(pair48, batch):
     ar = ar_engine(target, batch).sample(PROMPTS, params)
     engine = ssd_engine(target, draft, batch, k=3, fanout=(1, 1, 1, 2))
     out = engine.sample(PROMPTS, params)
-    for a, b in zip(ar, out):
-        assert b.token_ids == a.token_ids
+    assert len(out) == len(ar) == len(PROMPTS) * params.n
+    assert [b.token_ids for b in out] == [a.token_ids for a in ar]
+    for a, b in zip(ar, out, strict=True):
         assert torch.allclose(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4)
-    m = engine.metrics()
-    assert m["ssd/hits"] > 0 and m["ssd/hits"] < m["ssd/rounds"] - m["ssd/cold_rounds"]  # hits and misses
+    assert_ran(engine, "ssd+neural", hits=True, misses=True)  # SSD rounds, with hits and misses
     engine.close()
 
 
@@ -73,7 +74,7 @@ def test_greedy_ssd_planner_and_rule_equal_ar(pair48):
     engine = ssd_engine(target, draft, 4, k=3, strategy_rule=True, backup="suffix")
     out = engine.sample(PROMPTS, params)
     assert [b.token_ids for b in out] == [a.token_ids for a in ar]
-    m = engine.metrics()
+    m = assert_ran(engine, "ssd+neural")  # ssd/fanout is published for every plan: SSD's rounds are counted here
     assert sum(m["ssd/fanout"]) >= 4 and m["ssd/strategy"] in m["ssd/scores"]
     engine.close()
 
@@ -98,6 +99,7 @@ def test_ar_rounds_time_decode_not_verify(pair48):
     assert verify == ["ssd+neural"] * ssd.config.decide_after
     ar_rounds = engine.metrics()["ssd/strategy_rounds"]["ar"]
     assert ar_rounds >= 4 and decode.count("ar") == ar_rounds  # every AR round times a decode step
+    assert_ran(engine, "ssd+neural")
     engine.close()
 
 
@@ -127,6 +129,7 @@ def test_first_rounds_do_not_feed_acceptance_estimates(pair48):
     assert after_step[-1][1].count("decode") == warmup
     assert seen and all(path in ("draft", "hit") for path, _ in seen)
     assert sum(n for _, n in seen) >= 3 * 2  # the later rounds of all three sequences are observed
+    assert_ran(engine, "sd")
     engine.close()
 
 
@@ -157,6 +160,8 @@ def test_rule_measures_ar_then_sd_then_ssd_and_drops_a_clear_loser_early(pair48,
     explored = ["ar", "ar"] + ["sd"] * ssd_rounds + ["ssd+neural"] * (1 + ssd_rounds)  # SSD's first: untimed
     assert at_three[:len(explored)] == explored and set(at_three[len(explored):]) == {"ar"}
     assert len(at_three) > len(explored)
+    for plan in ("ar", "sd", "ssd+neural"):
+        assert_ran(engine, plan)
     engine.close()
 
 
@@ -172,6 +177,8 @@ def test_hysteresis_keeps_the_choice_made_at_each_batch_size(pair48, monkeypatch
     # more rounds than the exploration can take (AR 2, SD and SSD decide_after + 1 each), whatever it measures
     engine.sample(PROMPTS[:3], SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True))
     assert ssd.chooser.decided
+    for plan in ("ar", "sd", "ssd+neural"):  # the rule measured each before deciding
+        assert_ran(engine, plan)
     monkeypatch.setattr(strategy_module, "strategy_scores", lambda inputs, names: {
         n: (2.0 if n == "ar" else 1.0) if inputs.batch_size >= 8 else (0.5 if n == "ar" else 1.0) for n in names})
     # the warm-up ran at 1-3 sequences; 4, 12 and 16 are decided here for the first time (every plan
@@ -200,7 +207,7 @@ def test_ar_rounds_are_the_ar_engines_steps(pair48, temperature, top_p):
     ssd.trace = trace = []
     out = engine.sample(PROMPTS[:3], params)
     assert not verified
-    # the per-round record (bench/trace_rule.py): one per round, its tokens the rounds' tokens
+    # the per-round record (bench/probes/trace_rule.py): one per round, its tokens the rounds' tokens
     assert len(trace) == 11 and {r["strategy"] for r in trace} == {"ar"} and [r["batch"] for r in trace] == [3] * 11
     assert sum(r["emitted"] for r in trace) == 33 and trace[0]["cold"] and not any(r["cold"] for r in trace[1:])
     assert all(r["seconds"] >= r["verify_seconds"] > 0 for r in trace)
@@ -213,6 +220,8 @@ def test_ar_rounds_are_the_ar_engines_steps(pair48, temperature, top_p):
     greedy = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
     assert [o.token_ids for o in engine.sample(PROMPTS, greedy)] == \
         [a.token_ids for a in ar_engine(target, 3).sample(PROMPTS, greedy)]
+    for plan in ("ssd+neural", "sd"):
+        assert_ran(engine, plan)
     engine.close()
 
 
@@ -310,8 +319,7 @@ def test_law_matches_target(pair6, case):
     for r in out:
         assert len(r.token_ids) == 6
         counts[r.token_ids[3], r.token_ids[4], r.token_ids[5]] += 1
-    warm = m["ssd/rounds"] - m["ssd/cold_rounds"]
-    assert m["ssd/hits"] > 0 and warm - m["ssd/hits"] > 0, m  # both paths exercised
+    assert_ran(m, "ssd", hits=True, misses=True)  # both paths exercised
     if case == "hit-path":
         assert m["ssd/hit_rate_warm"] > 0.8
     if case.startswith("miss"):
@@ -343,6 +351,7 @@ def test_an_sd_round_after_rounds_the_draft_sat_out_times_its_verify_not_its_dra
 
     ssd.step = timed_step
     engine.sample(PROMPTS[:3], SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True))
+    assert_ran(engine, "sd")
     engine.close()
     assert rounds[0] == []  # every sequence's first round times nothing
     assert "plain_verify" in rounds[1] and "plain_draft" in rounds[1]
