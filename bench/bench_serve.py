@@ -45,6 +45,15 @@ Every loop is bounded in count and time (`--request-timeout`, `--phase-timeout`)
     .venv/bin/python bench/bench_serve.py --temperature 1
     .venv/bin/python bench/bench_serve.py --tiny --clients 1,4 --requests-per-client 2 --max-tokens 8  # smoke
     .venv/bin/python bench/bench_serve.py --quick              # the same smoke run
+
+`--workload mixed` (fairness: small requests' TTFT while n=64 requests run, admission fair vs fifo) and
+`--workload soak` (2,000 random requests, disconnects, weight updates every few seconds; RSS and thread
+slopes) are in serve_load.py, which describes them; each has a `--quick` smoke run:
+
+    .venv/bin/python bench/bench_serve.py --workload mixed --methods sd
+    .venv/bin/python bench/bench_serve.py --workload soak --methods sd --tiny
+    .venv/bin/python bench/bench_serve.py --workload mixed --quick
+    .venv/bin/python bench/bench_serve.py --workload soak --quick
 """
 
 from __future__ import annotations
@@ -110,8 +119,15 @@ def parse_args(argv=None):
     p.add_argument("--phase-timeout", type=float, default=3600.0, help="seconds per phase (all clients)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for the server to listen")
     add_prompt_set_arg(p)
+    _add_load_args(p)
     args = p.parse_args(argv)
-    if args.quick:
+    if args.quick and args.workload == "mixed":
+        args.tiny, args.big_requests, args.big_n, args.big_tokens, args.small_requests = True, 2, 8, 48, 4
+        args.max_batch_size = args.max_batch_size or 16
+    elif args.quick and args.workload == "soak":
+        args.tiny, args.soak_requests, args.update_every = True, 60, 1.0
+        args.max_batch_size = args.max_batch_size or 16
+    elif args.quick:
         args.tiny, args.clients, args.requests_per_client, args.max_tokens = True, "1,4", 2, 8
     args.client_counts = [int(c) for c in args.clients.split(",")]
     args.method_list = [m.strip() for m in args.methods.split(",")]
@@ -127,6 +143,22 @@ def parse_args(argv=None):
 
 
 # ---------------------------------------------------------------------------------------------- stats
+def _add_load_args(p) -> None:
+    g = p.add_argument_group("--workload mixed / soak (serve_load.py)")
+    g.add_argument("--workload", default="clients", choices=["clients", "mixed", "soak"],
+                   help="clients: throughput and latency vs concurrent clients (above); mixed: fairness; soak")
+    g.add_argument("--big-requests", type=int, default=2, help="mixed: big requests running at once")
+    g.add_argument("--big-n", type=int, default=64, help="mixed: n of each big request")
+    g.add_argument("--big-tokens", type=int, default=256, help="mixed: tokens of each big sequence")
+    g.add_argument("--small-tokens", type=int, default=16, help="mixed: tokens of a small request; soak: the most")
+    g.add_argument("--small-clients", type=int, default=4, help="mixed / soak: concurrent clients of small requests")
+    g.add_argument("--small-requests", type=int, default=25,
+                   help="mixed: small requests sent idle, and the most per client while the big ones run")
+    g.add_argument("--soak-requests", type=int, default=2000, help="soak: requests in all")
+    g.add_argument("--update-every", type=float, default=3.0, help="soak: seconds between weight updates")
+    g.add_argument("--disconnect-rate", type=float, default=0.1, help="soak: share of requests that disconnect early")
+
+
 def percentile(xs, q: float):
     """Linear-interpolated q-th percentile (q in [0, 100]); None for no data."""
     xs = sorted(xs)
@@ -178,7 +210,7 @@ def family(pid: int, include_self: bool):
 class ServerProcess:
     """`rollout-ssd serve` in its own session; `stop()` (idempotent, also at exit) ends it and its children."""
 
-    def __init__(self, args, target: str, draft, method: str, max_model_len: int):
+    def __init__(self, args, target: str, draft, method: str, max_model_len: int, extra=()):
         cmd = [sys.executable, "-m", "rollout_ssd.cli", "serve", "--target", target, "--method", method,
                "--dtype", "float32", "--port", "0", "--host", "127.0.0.1", "--max-batch-size", str(args.max_batch_size),
                "--max-model-len", str(max_model_len), "--threads", str(args.threads)]
@@ -186,6 +218,7 @@ class ServerProcess:
             cmd += ["--draft", draft]
         if args.k is not None:
             cmd += ["--k", str(args.k)]
+        cmd += list(extra)
         self.cmd = cmd
         env = dict(os.environ)
         env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -490,6 +523,12 @@ def main(argv=None):
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGHUP, on_signal)
+    if args.workload != "clients":
+        import serve_load
+
+        with tempfile.TemporaryDirectory(prefix="bench_serve_") as tmp:
+            (serve_load.mixed if args.workload == "mixed" else serve_load.soak)(args, Path(tmp))
+        return
 
     rows, pairs = [], []
     with tempfile.TemporaryDirectory(prefix="bench_serve_") as tmp:

@@ -99,6 +99,7 @@ class SpecConfig:
 
 
 ATTENTION = ("auto", "sdpa", "triton")
+ADMISSION = ("fair", "fifo")  # EngineConfig.admission's policies (rollout_ssd/admission.py)
 COMPILE = ("frozen", "live")  # EngineConfig.compile's modes (rollout_ssd/gpu/graphs.py)
 
 
@@ -138,7 +139,13 @@ class EngineConfig:
     verify and SSD's tree steps; prefill stays on SDPA), or "auto" (triton for a CUDA target with
     cuda_graphs, where it measured faster on an H200; sdpa otherwise: `attention.auto_attention`). "triton" on a CPU runs under
     Triton's interpreter only (TRITON_INTERPRET=1 set before triton is first imported: for tests), and
-    is a ValueError otherwise."""
+    is a ValueError otherwise.
+    admission: which waiting sequences get free KV slots (rollout_ssd/admission.py): "fair" (round-robin
+    over requests: the request holding the fewest running sequences first) or "fifo" (arrival order).
+    reserved_slots (fair only): the last this many free slots go only to requests holding none yet, so a
+    newcomer starts within a round while large requests run; an integer >= 0, or "auto" (one slot in
+    16, at least one). A single request (one `sample` call) is admitted the same under every setting,
+    and a seeded request gets the same tokens whatever else runs."""
 
     max_batch_size: Optional[int] = None
     max_model_len: Optional[int] = None
@@ -147,6 +154,8 @@ class EngineConfig:
     cuda_graphs: bool = False
     attention: str = "auto"
     compile: Union[bool, str] = False
+    admission: str = "fair"
+    reserved_slots: Union[int, str] = 0
 
     def __post_init__(self):
         if self.max_batch_size is not None and (not isinstance(self.max_batch_size, int) or isinstance(
@@ -166,5 +175,10 @@ class EngineConfig:
                              f"got {self.compile!r}")
         if self.compile and self.cuda_graphs:
             raise ValueError("EngineConfig.compile and cuda_graphs exclude each other (compile: CPU; graphs: CUDA)")
+        if self.admission not in ADMISSION:
+            raise ValueError(f"EngineConfig.admission must be one of {ADMISSION}, got {self.admission!r}")
+        r = self.reserved_slots
+        if r != "auto" and (not isinstance(r, int) or isinstance(r, bool) or r < 0):
+            raise ValueError(f"EngineConfig.reserved_slots must be an integer >= 0 or 'auto', got {r!r}")
         if self.attention not in ATTENTION:
             raise ValueError(f"EngineConfig.attention must be one of {ATTENTION}, got {self.attention!r}")

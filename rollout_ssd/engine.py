@@ -20,6 +20,7 @@ from typing import Sequence as Seq
 import torch
 
 from rollout_ssd import metric_names as names
+from rollout_ssd.admission import Admission, resolve_reserved
 from rollout_ssd.config import CPU_KV_MEMORY_SHARE, CPU_MAX_BATCH, GPU_MAX_BATCH, EngineConfig, SpecConfig, reject_unknown
 from rollout_ssd.decode import DecodeStrategy
 from rollout_ssd.draft_sync import DraftSync
@@ -171,8 +172,9 @@ class RolloutEngine:
         self.draft_updates = UpdateQueue(self.draft_sync, self._apply_when_idle)
         self.strategy: DecodeStrategy = make_strategy(BuildContext(
             self.runner, self.stats, spec, draft, target.model.cfg.vocab_size, self.max_model_len))
+        admission = Admission(engine.admission, resolve_reserved(engine.reserved_slots, slots))
         self.scheduler = Scheduler(self.runner, lambda: self.strategy, self.stats, updates=self._apply_updates,
-                                   version=lambda: self.weight_version)
+                                   version=lambda: self.weight_version, admission=admission)
         self._closed = False
 
     @classmethod

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
+from rollout_ssd.admission import Admission
 from rollout_ssd.decode import DecodeStrategy, sample_rows
 from rollout_ssd.metrics import EngineMetrics
 from rollout_ssd.request import Request, RequestCancelled
@@ -39,10 +40,11 @@ class Scheduler:
     (`_retire`) and release their slots (`_release`).
     strategy() is the engine's decode strategy (looked up each round); updates() applies queued weight
     updates and returns whether the target's weights changed; version() is the target weight version
-    served now; stats receives prefill and busy time."""
+    served now; stats receives prefill and busy time; admission picks which waiting sequences get the
+    free slots (admission.py; default: fair, no reserved slots)."""
 
     def __init__(self, runner: ModelRunner, strategy: Callable[[], DecodeStrategy], stats: EngineMetrics, *,
-                 updates: Callable[[], bool], version: Callable[[], int]):
+                 updates: Callable[[], bool], version: Callable[[], int], admission: Optional[Admission] = None):
         self.runner = runner
         self._strategy = strategy
         self._stats = stats
@@ -51,7 +53,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._inbox: deque[Request] = deque()
         self._live: dict[int, Request] = {}
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = admission if admission is not None else Admission()
         self.running: list[Sequence] = []
         self._driving = False
         self._paused = False
@@ -217,6 +219,8 @@ class Scheduler:
         self.apply_updates(self.running)
         produced = self._admit()
         self._retire()
+        if produced:  # the admitted sequences' first tokens (from the prefill) reach listeners now
+            self._report()
         if self.running:
             produced += self._strategy().step(self.running)
             self._retire()
@@ -238,11 +242,9 @@ class Scheduler:
 
     def _admit(self) -> int:
         """Give waiting sequences the free KV slots and prefill them; returns the tokens they emitted."""
-        admitted = []
-        while self.waiting and self.runner.cache.num_free > 0:
-            seq = self.waiting.popleft()
+        admitted = self.waiting.take(self.runner.cache.num_free, self.running)
+        for seq in admitted:
             seq.slot = self.runner.allocate()
-            admitted.append(seq)
         if not admitted:
             return 0
         self.running.extend(admitted)  # before the prefill, so a failure in it releases them too
@@ -280,7 +282,7 @@ class Scheduler:
         while self._inbox:
             req = self._inbox.popleft()
             self._live[req.id] = req
-            self.waiting.extend(req.seqs)
+            self.waiting.add(req.seqs)
 
     def _retire(self) -> None:
         version = self._version()
@@ -311,7 +313,7 @@ class Scheduler:
         gone = {rid for rid, req in self._live.items() if req.cancelled}
         if not gone:
             return
-        self.waiting = deque(s for s in self.waiting if s.request_id not in gone)
+        self.waiting.drop(gone)
         for seq in self.running:
             if seq.request_id in gone:
                 self._release(seq)

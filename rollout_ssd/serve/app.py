@@ -6,7 +6,10 @@ wait. A client that disconnects cancels its request (its KV slots are freed befo
 the other requests are untouched. Weight updates (from a checkpoint on disk, or a torch.distributed
 weight-sync group) are applied between rounds, and every choice reports the version it was sampled
 under (control.py: pause/resume and the weight-update endpoints). Bad requests get HTTP 400 with
-OpenAI's error shape, `param` naming the field.
+OpenAI's error shape, `param` naming the field; the limits (limits.py: n, the context, the queue of
+sequences waiting for a slot, the body) are 400s and a full queue 429; while the server drains for a
+graceful stop, 503. Request bodies are parsed by hand (protocol.json_object) and documented in the
+OpenAPI schema (`/openapi.json`) by their pydantic models.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from functools import partial
 from typing import Optional
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from rollout_ssd.serve.control import control_routes
+from rollout_ssd.serve.control import BODIES, control_routes
+from rollout_ssd.serve.limits import Drain, DrainMiddleware, Limits, check_queue, check_ranges, max_tokens_for
 from rollout_ssd.serve.metrics import prometheus_text
 from rollout_ssd.serve.protocol import (
     BadRequest,
@@ -79,8 +84,9 @@ class _ApiKey:
 class Server:
     """The app's state: the engine, its tokenizer and name, and the request counters /metrics exports."""
 
-    def __init__(self, engine, model_name: str, default_max_tokens: int = 16):
-        self.engine = engine
+    def __init__(self, engine, model_name: str, default_max_tokens: int = 16, limits: Limits = Limits(),
+                 drain: Optional[Drain] = None):
+        self.engine, self.limits, self.drain = engine, limits, drain or Drain()
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.tokenizer = engine.target.tokenizer
@@ -104,11 +110,36 @@ class Server:
     def seed(self, seed: Optional[int]) -> int:
         return secrets.randbits(63) if seed is None else seed
 
-    def submit(self, prompts, params, field: str, listener):
+    def prompt_ids(self, prompts, field: str = "prompt") -> list[list[int]]:
+        """Token ids of the prompts, with the engine's checks (400 naming `field`)."""
         try:
-            request = self.engine.submit(prompts, params, listener=listener)
+            return self.engine.tokenize(prompts)
+        except (ValueError, TypeError) as err:
+            raise BadRequest(str(err), field) from None
+
+    def max_tokens(self, ids: list[list[int]], asked: Optional[int], default: int, field: str = "max_tokens") -> int:
+        try:
+            return max_tokens_for([len(p) for p in ids], asked, default, self.engine.max_model_len,
+                                  self.limits.clamp_max_tokens)
+        except BadRequest as err:
+            raise BadRequest(str(err).replace("max_tokens", field), field) from None
+
+    def submit(self, prompts, params, field: str, listener):
+        check_queue(self.engine.scheduler.counts()["waiting"], len(prompts) * params.n, params.n, self.limits)
+        live = self.drain.requests
+
+        def listen(request, finished):
+            if finished:
+                live.discard(request)
+            listener(request, finished)
+
+        try:
+            request = self.engine.submit(prompts, params, listener=listen)
         except ValueError as err:
             raise BadRequest(str(err), field) from None
+        live.add(request)
+        if request.done():
+            live.discard(request)
         self.counts["prompt_tokens"] += sum(len(s.prompt_token_ids) for s in request.seqs[::params.n])
         return request
 
@@ -231,18 +262,44 @@ def _stream_piece(seq, text: TextStream, rollout):
     return new_ids, new_lps, delta
 
 
-def build_app(engine, model_name: str, api_key: Optional[str] = None, default_max_tokens: int = 16) -> FastAPI:
-    server = Server(engine, model_name, default_max_tokens)
+def _document_bodies(app: FastAPI, bodies: dict) -> None:
+    """Put each endpoint's request body model (path -> pydantic model) into the app's OpenAPI schema."""
+
+    def openapi():
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in bodies.items():
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+                ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+                schema["paths"][path]["post"]["requestBody"] = {"required": True,
+                                                                "content": {"application/json": {"schema": ref}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def build_app(engine, model_name: str, api_key: Optional[str] = None, default_max_tokens: int = 16,
+              limits: Limits = Limits(), drain: Optional[Drain] = None) -> FastAPI:
+    server = Server(engine, model_name, default_max_tokens, limits, drain)
     app = FastAPI(title="rollout-ssd", docs_url=None, redoc_url=None)
-    app.state.server = server
+    app.state.server, app.state.limits = server, limits
 
     @app.exception_handler(BadRequest)
     async def bad_request(_, err: BadRequest):
         server.counts["rejected"] += 1
-        return _error(400, str(err), err.param)
+        param = err.param or ("body" if err.status == 400 else None)  # a 400 always names a field
+        response = _error(err.status, str(err), param, "rate_limit_error" if err.status == 429 else
+                          "invalid_request_error")
+        response.headers.update(err.headers or {})
+        return response
 
     if api_key is not None:
         app.add_middleware(_ApiKey, key=api_key)
+    app.add_middleware(DrainMiddleware, drain=server.drain)  # outermost: 503 while draining
 
     @app.get("/health")
     async def health():
@@ -258,8 +315,10 @@ def build_app(engine, model_name: str, api_key: Optional[str] = None, default_ma
         req = await server.body(raw, CompletionRequest)
         server.check_model(req.model)
         check_completion(req)
-        params = sampling_params(req, req.max_tokens, server.default_max_tokens, server.seed(req.seed))
-        prompts = completion_prompts(req.prompt)
+        check_ranges(req, server.limits)
+        prompts = server.prompt_ids(completion_prompts(req.prompt))
+        max_tokens = server.max_tokens(prompts, req.max_tokens, server.default_max_tokens)
+        params = sampling_params(req, max_tokens, server.default_max_tokens, server.seed(req.seed))
         as_ids = req.return_tokens_as_token_ids
         render = lambda rollouts: server.renderer.completion(rollouts, params.n, req.logprobs, req.return_token_ids, as_ids)
         cid = new_id("cmpl")
@@ -273,10 +332,12 @@ def build_app(engine, model_name: str, api_key: Optional[str] = None, default_ma
         req = await server.body(raw, ChatRequest)
         server.check_model(req.model)
         check_chat(req)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        budget = max(1, engine.max_model_len - 1)
-        params = sampling_params(req, max_tokens, budget, server.seed(req.seed))
+        check_ranges(req, server.limits)
         prompt = server.chat_prompt(req)
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = server.max_tokens(server.prompt_ids([prompt], "messages"), getattr(req, field), engine.max_model_len,
+                                       field)
+        params = sampling_params(req, max_tokens, engine.max_model_len, server.seed(req.seed))
         as_ids = req.return_tokens_as_token_ids
         render = lambda rollouts: server.renderer.chat(rollouts, req.logprobs, req.return_token_ids, as_ids)
         cid = new_id("chatcmpl")
@@ -290,4 +351,5 @@ def build_app(engine, model_name: str, api_key: Optional[str] = None, default_ma
         return PlainTextResponse(prometheus_text(engine, server), media_type="text/plain; version=0.0.4")
 
     control_routes(app, server)
+    _document_bodies(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest, **BODIES})
     return app

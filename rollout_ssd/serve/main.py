@@ -3,6 +3,11 @@
 The socket is bound before uvicorn starts so that `--port 0` works: the line
 `rollout-ssd serve: listening on http://HOST:PORT` names the port actually bound (tests and scripts
 read it). Loopback by default; binding elsewhere without --api-key logs a warning.
+
+Limits (limits.py) and admission (EngineConfig.admission, reserved_slots) are options with safe
+defaults, listed by --help and GET /server_info. SIGTERM (or Ctrl-C) stops gracefully: new requests get
+503 at once, running ones finish (cancelled after --drain-timeout seconds), then the engine closes and
+the process exits 0; a second signal exits without waiting.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +39,56 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health, /metrics)")
     p.add_argument("--default-max-tokens", type=int, default=16, help="/v1/completions' max_tokens when omitted")
     p.add_argument("--threads", type=int, default=None, help="torch threads of the engine")
+    _add_limit_args(p)
     p.set_defaults(func=serve)
+
+
+def _add_limit_args(p) -> None:
+    from rollout_ssd.serve.limits import Limits
+
+    d = Limits()
+    g = p.add_argument_group("limits and admission (also in GET /server_info)")
+    g.add_argument("--max-n", type=int, default=d.max_n, help="the largest n of a request (400 above; default %(default)s)")
+    g.add_argument("--max-queued-seqs", type=int, default=d.max_queued_seqs,
+                   help="sequences that may wait for a KV slot, all requests together: a request that would go "
+                        "over gets 429 with Retry-After, one larger than this on its own 400 (default %(default)s)")
+    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="the largest request body in bytes (400 above; default %(default)s)")
+    g.add_argument("--clamp-max-tokens", action="store_true",
+                   help="cut max_tokens to what the context holds; default: 400 when prompt + max_tokens > max_model_len")
+    g.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
+                   help="on SIGTERM: seconds running requests may take to finish before they are cancelled "
+                        "(default %(default)s)")
+    g.add_argument("--admission", default="fair", choices=["fair", "fifo"],
+                   help="which waiting sequences get free KV slots: round-robin over requests (fair) or arrival "
+                        "order (default %(default)s)")
+    g.add_argument("--reserved-slots", default="auto",
+                   help="fair admission: free KV slots kept for requests that hold none yet (an integer, or 'auto': "
+                        "1 in 16, at least 1; default %(default)s)")
+
+
+class _Graceful:
+    """uvicorn.Server's signal handling, replaced: the first SIGTERM / SIGINT drains (new requests 503,
+    running ones finish or are cancelled after the timeout), then uvicorn stops; a second one stops now."""
+
+    def __init__(self, server, drain, timeout: float):
+        self.server, self.drain, self.timeout = server, drain, timeout
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.drain.draining:
+            self.server.should_exit = True
+            self.server.force_exit = True
+            return
+        log.warning("rollout-ssd serve: stopping: new requests get 503; waiting up to %g s for running ones", self.timeout)
+        self.drain.begin()
+        threading.Thread(target=self._finish, name="rollout-ssd-drain", daemon=True).start()
+
+    def _finish(self) -> None:
+        if not self.drain.wait(self.timeout):
+            log.warning("rollout-ssd serve: requests still running after %g s; cancelling them", self.timeout)
+            self.drain.cancel_all()
+            self.drain.wait(5.0)
+        self.server.should_exit = True
 
 
 def serve(args) -> int:
@@ -42,6 +97,7 @@ def serve(args) -> int:
 
     from rollout_ssd import RolloutEngine, SpecConfig
     from rollout_ssd.serve.app import build_app
+    from rollout_ssd.serve.limits import Drain, Limits
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -51,9 +107,12 @@ def serve(args) -> int:
     if args.speculator is not None:
         spec["speculator"] = args.speculator
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    reserved = args.reserved_slots if args.reserved_slots == "auto" else _int_or(args.reserved_slots)
     try:
+        limits = Limits(args.max_n, args.max_queued_seqs, args.max_body_bytes, args.clamp_max_tokens, args.drain_timeout)
         engine = RolloutEngine.from_pretrained(args.target, draft=args.draft, spec=SpecConfig(**spec), dtype=args.dtype,
-                                               max_batch_size=args.max_batch_size, max_model_len=args.max_model_len)
+                                               max_batch_size=args.max_batch_size, max_model_len=args.max_model_len,
+                                               admission=args.admission, reserved_slots=reserved)
     except ValueError as err:
         print(f"rollout-ssd serve: error: {err}", file=sys.stderr)
         return 2
@@ -70,13 +129,24 @@ def serve(args) -> int:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
     host, port = sock.getsockname()[:2]
+    drain = Drain()
     app = build_app(engine, args.served_model_name or args.target, api_key=args.api_key,
-                    default_max_tokens=args.default_max_tokens)
+                    default_max_tokens=args.default_max_tokens, limits=limits, drain=drain)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    server.handle_exit = _Graceful(server, drain, limits.drain_timeout).handle_exit
     print(f"rollout-ssd serve: listening on http://{host}:{port}", flush=True)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         engine.close()
         sock.close()
     return 0
+
+
+def _int_or(text: str):
+    """An integer option's value, or the text itself (the config that reads it names the option in its error)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text

@@ -10,7 +10,6 @@ accepted at that value only, since the engine samples exactly the target's law a
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
@@ -19,11 +18,12 @@ from rollout_ssd.params import SamplingParams
 
 
 class BadRequest(ValueError):
-    """A request the server refuses (HTTP 400); `param` names the offending field."""
+    """A request the server refuses (HTTP 400, or `status`: 429 when the queue is full); `param` names the
+    offending field; `headers` go with the response (Retry-After)."""
 
-    def __init__(self, message: str, param: Optional[str] = None):
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400, headers: Optional[dict] = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.status, self.headers = param, status, headers
 
 
 class _Strict(BaseModel):
@@ -58,7 +58,7 @@ class _SamplingFields(_Strict):
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
-    max_tokens: Optional[StrictInt] = 16
+    max_tokens: Optional[StrictInt] = None  # the server's --default-max-tokens, cut to the context
     logprobs: Optional[StrictInt] = None
     echo: StrictBool = False
     best_of: Optional[StrictInt] = None
@@ -159,11 +159,12 @@ def check_chat(req: ChatRequest) -> None:
 
 
 async def json_object(raw) -> dict:
-    """The request body as a JSON object (BadRequest naming `body` otherwise)."""
-    try:
-        data = json.loads(await raw.body() or b"{}")
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise BadRequest(f"the body is not valid JSON: {err}", "body") from None
+    """The request body as a JSON object under the server's limits (limits.py: size, nesting, finite
+    numbers, encodable strings); BadRequest naming the field otherwise."""
+    from rollout_ssd.serve.limits import Limits, parse_body, read_body
+
+    limits = getattr(raw.app.state, "limits", None) or Limits()
+    data = parse_body(await read_body(raw, limits.max_body_bytes))
     if not isinstance(data, dict):
         raise BadRequest("the body must be a JSON object", "body")
     return data

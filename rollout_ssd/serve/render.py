@@ -14,6 +14,12 @@ from typing import Optional
 from rollout_ssd.params import Rollout
 
 
+def _versions(r: Rollout) -> dict:
+    """`weight_versions`: every version a choice's tokens were sampled under, when there were several (an
+    update landed while it ran); weight_version is then the latest."""
+    return {"weight_versions": r.extra["weight_versions"]} if "weight_versions" in r.extra else {}
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -71,7 +77,8 @@ class Renderer:
         choices = []
         for index, r in enumerate(rollouts):
             choice = {"index": index, "text": r.text or "", "finish_reason": r.finish_reason,
-                      "stop_reason": self.stop_reason(r), "weight_version": r.weight_version, "logprobs": None}
+                      "stop_reason": self.stop_reason(r), "weight_version": r.weight_version, "logprobs": None,
+                      **_versions(r)}
             if logprobs is not None:
                 choice["logprobs"] = self.completion_logprobs(r.token_ids, r.logprobs, as_ids)
                 choice["logprobs"]["text_offset"] = self._text_offsets(choice["logprobs"]["tokens"])
@@ -87,7 +94,7 @@ class Renderer:
         for index, r in enumerate(rollouts):
             choice = {"index": index, "message": {"role": "assistant", "content": r.text or ""},
                       "finish_reason": r.finish_reason, "stop_reason": self.stop_reason(r),
-                      "weight_version": r.weight_version,
+                      "weight_version": r.weight_version, **_versions(r),
                       "logprobs": self.chat_logprobs(r.token_ids, r.logprobs, as_ids) if logprobs else None}
             if return_ids:
                 choice["token_ids"] = list(r.token_ids)

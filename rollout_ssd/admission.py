@@ -1,0 +1,101 @@
+"""Admission: which waiting sequences get the free KV slots at the start of a round
+(`EngineConfig.admission`, `EngineConfig.reserved_slots`).
+
+- "fifo": sequences in arrival order. A request of many sequences holds the head of the queue until
+  all of them have a slot, so a request arriving behind it waits that long (head-of-line blocking).
+- "fair": round-robin over requests. Each free slot goes to the waiting request that holds the fewest
+  running sequences (ties: the earlier request), so a small request that arrives while a large one
+  waits takes the next free slot, whatever the large one still has queued. With `reserved` > 0 the
+  last `reserved` free slots go only to requests that hold no slot yet: however many sequences the
+  running requests have, a newcomer's first sequence starts at the next round while a reserved slot
+  is free. One request alone (one `sample` call) is admitted in its own order under both policies.
+
+Which round a sequence starts in never changes its tokens: randomness is per sequence (seed, prompt
+index, sample index), so a seeded request gets the same rollouts under either policy.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter, deque
+from typing import Iterable
+
+from rollout_ssd.sequence import Sequence
+
+POLICIES = ("fair", "fifo")  # = config.ADMISSION
+AUTO_RESERVE_SHARE = 16  # reserved_slots="auto": one slot in 16 (at least one) is kept for newcomers
+
+
+def resolve_reserved(reserved, num_slots: int) -> int:
+    """The number of reserved slots: an int as given, "auto" = max(1, num_slots // 16); never all of them."""
+    if reserved == "auto":
+        reserved = max(1, num_slots // AUTO_RESERVE_SHARE)
+    return max(0, min(int(reserved), num_slots - 1))
+
+
+class Admission:
+    """The waiting sequences, one queue per request (in arrival order), and the policy that picks."""
+
+    def __init__(self, policy: str = "fair", reserved: int = 0):
+        if policy not in POLICIES:
+            raise ValueError(f"admission policy must be one of {POLICIES}, got {policy!r}")
+        self.policy = policy
+        self.reserved = reserved if policy == "fair" else 0
+        self._queues: dict[int, deque[Sequence]] = {}
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self):
+        for queue in self._queues.values():
+            yield from queue
+
+    def add(self, seqs: Iterable[Sequence]) -> None:
+        for seq in seqs:
+            self._queues.setdefault(seq.request_id, deque()).append(seq)
+            self._count += 1
+
+    def drop(self, request_ids: set[int]) -> None:
+        for rid in request_ids:
+            queue = self._queues.pop(rid, None)
+            if queue is not None:
+                self._count -= len(queue)
+
+    def clear(self) -> None:
+        self._queues.clear()
+        self._count = 0
+
+    def take(self, free: int, running: list[Sequence]) -> list[Sequence]:
+        """The sequences to admit into `free` slots now, in admission order (removed from the queue)."""
+        out = self._fifo(free) if self.policy == "fifo" else self._fair(free, running)
+        self._count -= len(out)
+        return out
+
+    def _fifo(self, free: int) -> list[Sequence]:
+        out = []
+        while free > len(out) and self._queues:
+            rid, queue = next(iter(self._queues.items()))
+            while queue and free > len(out):
+                out.append(queue.popleft())
+            if not queue:
+                del self._queues[rid]
+        return out
+
+    def _fair(self, free: int, running: list[Sequence]) -> list[Sequence]:
+        held = Counter(s.request_id for s in running)
+        heap = [(held[rid], rid) for rid in self._queues]  # request ids grow with arrival
+        heapq.heapify(heap)
+        out = []
+        while free > 0 and heap:
+            count, rid = heapq.heappop(heap)
+            if count > 0 and free <= self.reserved:
+                break  # the rest are reserved for newcomers; every request left holds a slot too
+            queue = self._queues[rid]
+            out.append(queue.popleft())
+            free -= 1
+            if queue:
+                heapq.heappush(heap, (count + 1, rid))
+            else:
+                del self._queues[rid]
+        return out
