@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Optional, Union
 
+from rollout_ssd.ssd.config import SSDConfig
+
 METHODS = ("ar", "sd", "ssd")
 SPECULATORS = ("draft", "suffix", "random")  # what drafts: the draft model, suffix matching, random tokens
 
@@ -28,6 +30,9 @@ def require_positive_ints(config, names, label: Optional[str] = None) -> None:
             raise ValueError(f"{label}.{name} must be an integer >= 1, got {value!r}")
 
 
+_SSD = {f.name: f.default for f in fields(SSDConfig)}  # the SSD knobs' defaults (SSDConfig owns them)
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """How to speculate. method "ar" (none), "sd" (speculative decoding) or "ssd" (SSD).
@@ -38,9 +43,9 @@ class SpecConfig:
     it gave probability below stop_prob (greedy: its T=1 softmax); 0 always drafts k. Lossless for
     any value (the draft alone decides the length). A larger k then costs little when the draft is
     unsure (measured: bench/RESULTS.md).
-    SSD knobs (method "ssd"; meaning and validation: `rollout_ssd.ssd.config.SSDConfig`, whose
-    defaults are these): fanout (None = Theorem 12 from live estimates, or a manual F_0..F_k), budget,
-    max_budget, C (Saguaro, or "adaptive"), c_min, backup ("neural" = the draft model on demand,
+    SSD knobs (method "ssd"; meaning, defaults and validation: `rollout_ssd.ssd.config.SSDConfig`, whose
+    defaults these fields read, k and stop_prob included): fanout (None = Theorem 12 from live estimates,
+    or a manual F_0..F_k), budget, max_budget, C (Saguaro, or "adaptive"), c_min, backup ("neural" = the draft model on demand,
     "suffix", "random"), strategy_rule (pick SSD/SD/suffix/AR per batch by Theorem 17), hysteresis,
     switch_after, decide_after, decide_margin, worker (the draft side concurrent with the target: its
     own process on a CPU, its own thread and CUDA stream on a GPU), worker_timeout, startup_timeout,
@@ -52,28 +57,28 @@ class SpecConfig:
     """
 
     method: str = "ar"
-    k: int = 4
+    k: int = _SSD["k"]
     speculator: str = "draft"
-    stop_prob: float = 0.3
-    fanout: Optional[tuple[int, ...]] = None
-    budget: Optional[int] = None
-    max_budget: int = 32
-    C: Union[float, str] = 1.0
-    c_min: float = 0.3
-    backup: str = "neural"
-    strategy_rule: bool = True
-    hysteresis: float = 0.10
-    switch_after: int = 2
-    decide_after: int = 3
-    decide_margin: float = 0.3
-    worker: bool = True
-    worker_timeout: float = 30.0
-    startup_timeout: float = 180.0
-    pin_cores: bool = True
-    fallback: str = "sd"
-    max_restarts: int = 1
-    draft_device: Optional[str] = None
-    rule_cache: Union[bool, str, os.PathLike] = True
+    stop_prob: float = _SSD["stop_prob"]
+    fanout: Optional[tuple[int, ...]] = _SSD["fanout"]
+    budget: Optional[int] = _SSD["budget"]
+    max_budget: int = _SSD["max_budget"]
+    C: Union[float, str] = _SSD["C"]
+    c_min: float = _SSD["c_min"]
+    backup: str = _SSD["backup"]
+    strategy_rule: bool = _SSD["strategy_rule"]
+    hysteresis: float = _SSD["hysteresis"]
+    switch_after: int = _SSD["switch_after"]
+    decide_after: int = _SSD["decide_after"]
+    decide_margin: float = _SSD["decide_margin"]
+    worker: bool = _SSD["worker"]
+    worker_timeout: float = _SSD["worker_timeout"]
+    startup_timeout: float = _SSD["startup_timeout"]
+    pin_cores: bool = _SSD["pin_cores"]
+    fallback: str = _SSD["fallback"]
+    max_restarts: int = _SSD["max_restarts"]
+    draft_device: Optional[str] = _SSD["draft_device"]
+    rule_cache: Union[bool, str, os.PathLike] = _SSD["rule_cache"]
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -90,8 +95,6 @@ class SpecConfig:
 
     def ssd_config(self):
         """The SSD knobs as an SSDConfig (every SSDConfig field is a SpecConfig field of the same name)."""
-        from rollout_ssd.ssd.config import SSDConfig
-
         try:
             return SSDConfig(**{f.name: getattr(self, f.name) for f in fields(SSDConfig)})
         except ValueError as err:
@@ -127,7 +130,7 @@ class EngineConfig:
     compile: (CPU target) decode and verify steps of the target and of SD's draft run as static-shape
     steps compiled by inductor (rollout_ssd/gpu/graphs.py, `StaticStep.compile`; verify rows padded to
     k + 1 tokens so that one shape per batch bucket serves every verify). False: not compiled (where the
-    one-call layer kernel runs, bf16 on AVX-512, the eager steps are the faster: models/layer_kernel.py);
+    one-call layer kernel runs, bf16 on AVX-512, the eager steps are the faster: kernels/layer_kernel.py);
     "frozen" (or True): the weights folded into the graphs, the fastest compiled steps, for fixed weights
     (offline generation, evaluation, serving): a write to a model's weights (an update) turns its steps into live
     ones, compiled anew; "live": the weights stay the graphs' inputs, so the steps follow every update

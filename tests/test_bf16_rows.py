@@ -1,4 +1,4 @@
-"""The bf16 rows kernel (models/bf16_rows.py, csrc/bf16_rows.c), in each build this CPU runs (avx512_bf16's
+"""The bf16 rows kernel (kernels/bf16_rows.py, csrc/bf16_rows.c), in each build this CPU runs (avx512_bf16's
 dot instruction; bf16 widened to float32 on any AVX-512 CPU): its error bounded against float64 at the
 decoder's shapes, a row's result independent of the batch it is in and of the thread count, the forms
 cpu_backend routes to it, its op inside a compiled function, the build's cache and failure path, and
@@ -21,7 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollout_ssd.models import bf16_rows, cpu_backend
+from rollout_ssd.kernels import bf16_rows, cpu
+from rollout_ssd.models import cpu_backend, cpu_dtype
 from rollout_ssd.models.cpu_backend import packed_linear, rows_kernel_rows
 from rollout_ssd.models.weight_copies import WeightCopies
 
@@ -69,7 +70,7 @@ def test_available_exactly_where_the_cpu_has_avx512_and_a_compiler_builds_it(mon
     error fails here with the compiler's output rather than skipping every kernel test), in the dot build
     exactly where the CPU has avx512_bf16, the amx build where it has AMX too (and it loads: this suite's
     compiler has AMX intrinsics); off when turned off."""
-    flags = cpu_backend.cpu_flags()
+    flags = cpu.cpu_flags()
     dot = {"avx512_bf16", "avx512bw", "avx512vl"} <= flags
     expected = "amx" if dot and {"amx_bf16", "amx_tile"} <= flags else "dot" if dot else \
         "widened" if {"avx512f", "avx512bw", "avx512vl", "fma"} <= flags else None
@@ -373,7 +374,7 @@ def test_where_the_ops_cpp_kernel_does_not_build_the_op_falls_back_to_the_same_r
     w, x, bias = case(70, 64, 3, seed=11)
     packed = bf16_rows.pack(w)
     torch.save({"x": x, "w": packed, "b": bias}, tmp_path / "case.pt")
-    script = ("import sys, torch\nfrom rollout_ssd.models import bf16_rows\n"
+    script = ("import sys, torch\nfrom rollout_ssd.kernels import bf16_rows\n"
               "c = torch.load(sys.argv[1], weights_only=True)\n"
               "assert bf16_rows.available() and not bf16_rows.op_in_cpp()\n"
               "torch.save(torch.ops.rollout_ssd.bf16_rows(c['x'], c['w'], c['b'], 70), sys.argv[2])\n")
@@ -472,14 +473,14 @@ def test_greedy_sd_and_ssd_of_a_bf16_pair_emit_ar_tokens_through_the_kernel(tmp_
     assert 0 < m["ssd/hits"] < m["ssd/rounds"] - m["ssd/cold_rounds"]
     ssd.close()
     assert any(key.endswith(":rows") for key in target.model.layers[0].row_major._copies)  # the kernel served them
-    from rollout_ssd.models import layer_kernel
+    from rollout_ssd.kernels import layer_kernel
 
     if layer_kernel.available():  # and the one-call layers served AR's steps and SD's verifies (their arguments kept)
         assert layer_kernel._ARGS.get(target.model) is not None
 
 
 def test_a_bf16_models_float32_cache_where_bf16_is_widened_changes_no_decode_or_verify_output(tmp_path, monkeypatch):
-    """Where the widened kernel runs (`cpu_backend.widened_bf16`), a bf16 model's KV cache is float32
+    """Where the widened kernel runs (`cpu_dtype.widened_bf16`), a bf16 model's KV cache is float32
     (`attention.cache_dtype`): the same bf16 values, so decode and verify steps (the explicit attention, which
     works in float32) and a prefill past the explicit form's 16 queries (SDPA over the values cast back to
     bf16) are bitwise those over a bf16 cache. Elsewhere the cache keeps the model's dtype."""
@@ -491,7 +492,7 @@ def test_a_bf16_models_float32_cache_where_bf16_is_widened_changes_no_decode_or_
 
     build_tiny(tmp_path, family="qwen2-bias-tied")
     model = load_pretrained(str(tmp_path), dtype="bfloat16").model
-    widened = cpu_backend.widened_bf16()
+    widened = cpu_dtype.widened_bf16()
     assert attention.cache_dtype(model) == (torch.float32 if widened else torch.bfloat16)
     assert attention.cache_dtype(load_pretrained(str(tmp_path), dtype="float32").model) == torch.float32
     if not widened:
@@ -521,7 +522,7 @@ def test_the_engines_kv_plan_counts_the_dtype_its_cache_gets(tmp_path):
     target = load_pretrained(str(tmp_path), dtype="bfloat16")
     target.model.backend = object()  # left by an earlier engine: not the SDPA backend this one selects
     cfg = target.model.cfg
-    dtype = torch.float32 if cpu_backend.widened_bf16() else torch.bfloat16
+    dtype = torch.float32 if cpu_dtype.widened_bf16() else torch.bfloat16
     per_slot = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype) * 64
     engine = RolloutEngine(target, SpecConfig(method="ar"), EngineConfig(max_batch_size=8, max_model_len=64,
                                                                          kv_cache_bytes=5 * per_slot))

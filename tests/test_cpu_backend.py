@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollout_ssd.models import bf16_rows, cpu_backend
+from rollout_ssd.kernels import bf16_rows
+from rollout_ssd.models import cpu_backend
 from rollout_ssd.models.cpu_backend import packed_bf16, packed_linear
 from rollout_ssd.models.weight_copies import WeightCopies
 
@@ -170,7 +171,8 @@ def test_few_query_attention_takes_the_form_asked_within_the_attention_bound(mon
     (this CPU kind in cpu_backend.SDPA_FEW_QUERIES_KINDS); else the explicit form. Each is within
     tests/support/attention_bound.py's bound of float64 attention, derived from the case (it allows the
     probabilities rounded to the cache dtype, which the flash kernel does), the same on every CPU."""
-    from rollout_ssd.models import attention, few_attention
+    from rollout_ssd.kernels import few_attention
+    from rollout_ssd.models import attention
     from rollout_ssd.models.attention import MaskedRead, SDPABackend, explicit_attention
     from tests.support.attention_bound import attention_error_bound
 

@@ -1,8 +1,8 @@
-"""The float32 rows kernel (models/f32_rows.py, csrc/f32_rows.c): its error bounded against float64 at the
+"""The float32 rows kernel (kernels/f32_rows.py, csrc/f32_rows.c): its error bounded against float64 at the
 decoder's shapes for each build this CPU runs (AVX-512F, AVX2+FMA), a row's result independent of the
 batch it is in and of the thread count, the forms cpu_backend routes to it (layers and LM head), its
 copies following weight writes, engines' greedy tokens through it, and the kernel cache's build path
-(models/kernel_build.py, shared with the bf16 rows kernel).
+(kernels/kernel_build.py, shared with the bf16 rows kernel).
 
 The bound does not depend on the CPU: the kernel's arithmetic is one fused multiply-add per k in a fixed
 order on every build, so each output's error is at most k float32 roundings of the running sum
@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollout_ssd.models import cpu_backend, f32_rows, kernel_build, quant
+from rollout_ssd.kernels import cpu, f32_rows, kernel_build
+from rollout_ssd.models import cpu_backend, quant
 from rollout_ssd.models.weight_copies import WeightCopies
 
 needs_kernel = pytest.mark.skipif(not f32_rows.available(), reason="no AVX-512F / AVX2+FMA or no C compiler")
@@ -26,7 +27,7 @@ needs_kernel = pytest.mark.skipif(not f32_rows.available(), reason="no AVX-512F 
 
 def runnable_builds() -> list[str]:
     """The builds this CPU can run: AVX2 wherever AVX2+FMA is, AVX-512F where that is too."""
-    flags = cpu_backend.cpu_flags()
+    flags = cpu.cpu_flags()
     kinds = ["avx2"] if {"avx2", "fma"} <= flags else []
     return kinds + (["avx512"] if "avx512f" in flags else [])
 

@@ -1,4 +1,4 @@
-"""The few-query attention kernel (rollout_ssd/models/few_attention.py, csrc/few_attention.c): within the
+"""The few-query attention kernel (kernels/few_attention.py, csrc/few_attention.c): within the
 attention bound of float64 attention on every path of the C code (the AVX-512 blocks and the plain loops,
 head dims in and out of the fast path, key counts off a multiple of 16), a row's result independent of
 the batch and the thread count, a float32 cache equal to the bf16 cache it holds, and bad calls refused."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_ssd.models import f32_rows, few_attention
+from rollout_ssd.kernels import f32_rows, few_attention
 from tests.support.attention_bound import attention_error_bound
 
 pytestmark = pytest.mark.skipif(not few_attention.available(), reason="few-query attention kernel not built here")

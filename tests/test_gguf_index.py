@@ -15,7 +15,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from rollout_ssd.models import gguf_loader  # noqa: E402
-from rollout_ssd.models.loader import file_key  # noqa: E402
+from rollout_ssd.models.disk_cache import file_key  # noqa: E402
 from rollout_ssd.models.registry import resolve_builtin  # noqa: E402
 
 

@@ -267,12 +267,13 @@ def test_live_steps_follow_weight_writes_without_a_recompile(tiny):
 def test_live_bf16_steps_follow_weight_writes(tmp_path, monkeypatch, kernel):
     """The bf16 live path where the CPU has native bf16, against the eager bf16 runner before and after
     in-place writes to a layer matrix and the LM head. kernel "bf16 rows": 1- and 2-row steps call
-    `rollout_ssd::bf16_rows` over `pack_live`'s copies (models/bf16_rows.py; skipped where it does not
+    `rollout_ssd::bf16_rows` over `pack_live`'s copies (kernels/bf16_rows.py; skipped where it does not
     run); "onednn" (that kernel off): 1-row steps are the reduction over the weight, 2-row steps
     `rollout_ssd::packed_linear` over oneDNN's copies. bf16 tolerance: the paths round differently (fused
     norms, another summation order), within 5% of the logits' range here; the writes move the eager
     logits by more than four times that, so stale weights or copies would fail it."""
-    from rollout_ssd.models import bf16_rows, cpu_backend
+    from rollout_ssd.kernels import bf16_rows
+    from rollout_ssd.models import cpu_backend
 
     if not cpu_backend.packed_bf16():
         pytest.skip("no native bf16 on this CPU: live bf16 steps use F.linear (the float32 tests cover the step)")
@@ -343,7 +344,7 @@ def test_frozen_bf16_steps_run_the_rows_kernel_where_it_runs(tmp_path, monkeypat
     model (4 linears a layer and the head) at 1 row and at a 2 x 4-token verify (where 8 rows are the
     kernel's: not on AMX, whose oneDNN is faster there), and logits within the live test's bf16 bound of
     the eager runner's."""
-    from rollout_ssd.models import bf16_rows
+    from rollout_ssd.kernels import bf16_rows
 
     if not bf16_rows.available():
         pytest.skip("the bf16 rows kernel does not run here (frozen bf16 steps use inductor's GEMMs)")
@@ -386,7 +387,8 @@ def test_the_live_packed_linear_op_is_onednns_packed_linear_and_pack_live_repack
     """The op live bf16 steps call (cpu_backend: `rollout_ssd::packed_linear`) gives exactly the eager
     packed linear's result, also inside a compiled function (it runs as an opaque kernel there); and
     `pack_live` remakes a weight's packed copy after an in-place write, and only then."""
-    from rollout_ssd.models import bf16_rows, cpu_backend
+    from rollout_ssd.kernels import bf16_rows
+    from rollout_ssd.models import cpu_backend
 
     if not cpu_backend.packed_bf16():
         pytest.skip("no native bf16 on this CPU: live bf16 steps use F.linear over the weights")

@@ -1,4 +1,4 @@
-"""The decoder layer kernel (rollout_ssd/models/layer_kernel.py, csrc/decoder_layer.c): as accurate as the
+"""The decoder layer kernel (kernels/layer_kernel.py, csrc/decoder_layer.c): as accurate as the
 module layers against a float32 model on every model family, a row's results independent of its batch and
 of the thread count (bitwise), the cache written where the module layers write it and nowhere else, and
 taken only for the forwards it computes (every other one runs the module layers, with the same results)."""
@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_ssd.models import bf16_rows, cpu_backend, layer_kernel
+from rollout_ssd.kernels import bf16_rows, cpu, layer_kernel
+from rollout_ssd.models import cpu_backend, loader
 from rollout_ssd.models.loader import build_decoder, load_pretrained
 from rollout_ssd.runner import ModelRunner
 from tests.support.models import FAMILIES, build_tiny
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.skipif(not layer_kernel.available(), reason="the layer 
 def every_step_fits(monkeypatch):
     """The kernel takes up to LIMIT tokens here whatever this CPU's speed choice (`max_rows()`: 2 where an AMX
     CPU runs the dot code), so that every path of its code runs on every CPU that has it."""
-    monkeypatch.setattr(layer_kernel, "_MAX_ROWS", layer_kernel.LIMIT)
+    monkeypatch.setattr(cpu_backend, "_LAYER_ROWS", layer_kernel.LIMIT)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -162,7 +163,7 @@ def test_a_float32_cache_and_more_than_a_tiles_rows(pair, monkeypatch):
         assert torch.equal(a.float(), b)
 
 
-@pytest.mark.skipif("amx_bf16" not in cpu_backend.cpu_flags(), reason="no AMX here")
+@pytest.mark.skipif("amx_bf16" not in cpu.cpu_flags(), reason="no AMX here")
 def test_amx_tiles_run_where_the_cpu_has_them_and_the_row_limit_follows():
     """On an AMX CPU the rows kernel's amx build loads (this suite's compiler has AMX intrinsics) and, where
     the OS lends the tiles, runs on them with the amx build's row limit; where it does not (an older kernel),
@@ -190,13 +191,13 @@ def test_serves_only_the_forwards_it_computes(pair, monkeypatch):
                             list(range(b)), [0] * b, mask)
 
     monkeypatch.setattr(layer_kernel, "_ON", True)
-    assert layer_kernel.serves(bf16, batch(2, 3), Cache, True)
-    assert not layer_kernel.serves(bf16, batch(2, 3), Cache, False)
-    assert not layer_kernel.serves(bf16, batch(1, 3, torch.ones(1, 3, 3, dtype=torch.bool)), Cache, True)
-    assert not layer_kernel.serves(bf16, batch(1, layer_kernel.max_rows() + 1), Cache, True)
-    assert not layer_kernel.serves(f32, batch(1, 1), Cache, True)
+    assert cpu_backend.one_call_layers(bf16, batch(2, 3), Cache, True)
+    assert not cpu_backend.one_call_layers(bf16, batch(2, 3), Cache, False)
+    assert not cpu_backend.one_call_layers(bf16, batch(1, 3, torch.ones(1, 3, 3, dtype=torch.bool)), Cache, True)
+    assert not cpu_backend.one_call_layers(bf16, batch(1, cpu_backend.layer_kernel_rows() + 1), Cache, True)
+    assert not cpu_backend.one_call_layers(f32, batch(1, 1), Cache, True)
     monkeypatch.setattr(layer_kernel, "_ON", False)
-    assert not layer_kernel.serves(bf16, batch(1, 1), Cache, True)
+    assert not cpu_backend.one_call_layers(bf16, batch(1, 1), Cache, True)
 
     # a tree-shaped step (mask) and a step of slots 2, 0 (not consecutive): the module layers' logits
     def masked_and_gapped(kernel):
@@ -237,35 +238,34 @@ def test_a_long_prefill_is_not_the_kernels_whatever_the_row_limit(pair, kind, mo
     bf16, _ = pair
     from rollout_ssd.models.decoder import ForwardBatch
 
-    limit = layer_kernel.MAX_ROWS.get(kind, layer_kernel.LIMIT)
+    limit = cpu_backend.LAYER_KERNEL_ROWS.get(kind, layer_kernel.LIMIT)
 
     class Cache:
         keys = values = [torch.zeros(limit + 1, 2, 64, bf16.cfg.head_dim, dtype=torch.bfloat16)] * len(bf16.layers)
 
     monkeypatch.setattr(cpu_backend, "_ROWS_KERNEL_ROWS", 1 << 30 if kind == "avx512" else layer_kernel.LIMIT)
     monkeypatch.setattr(cpu_backend, "cpu_kind", lambda: kind)
-    monkeypatch.setattr(layer_kernel, "_MAX_ROWS", None)  # the computed limit, not the fixture's
+    monkeypatch.setattr(cpu_backend, "_LAYER_ROWS", None)  # the computed limit, not the fixture's
     monkeypatch.setattr(layer_kernel, "_ON", True)
-    assert layer_kernel.max_rows() == limit and limit >= layer_kernel.LIMIT
+    assert cpu_backend.layer_kernel_rows() == limit and limit >= layer_kernel.LIMIT
 
     def batch(b, t):
         return ForwardBatch(torch.zeros(b, t, dtype=torch.long), torch.zeros(b, t, dtype=torch.long), [t] * b,
                             list(range(b)), [0] * b)
-    assert layer_kernel.serves(bf16, batch(1, layer_kernel.LIMIT), Cache, True)
-    assert not layer_kernel.serves(bf16, batch(1, layer_kernel.LIMIT + 1), Cache, True)
-    assert not layer_kernel.serves(bf16, batch(1, 4000), Cache, True)
-    assert layer_kernel.serves(bf16, batch(limit, 1), Cache, True)
-    assert not layer_kernel.serves(bf16, batch(limit + 1, 1), Cache, True)
-    assert layer_kernel.serves(bf16, batch(limit // layer_kernel.LIMIT, layer_kernel.LIMIT), Cache, True)
+    assert cpu_backend.one_call_layers(bf16, batch(1, layer_kernel.LIMIT), Cache, True)
+    assert not cpu_backend.one_call_layers(bf16, batch(1, layer_kernel.LIMIT + 1), Cache, True)
+    assert not cpu_backend.one_call_layers(bf16, batch(1, 4000), Cache, True)
+    assert cpu_backend.one_call_layers(bf16, batch(limit, 1), Cache, True)
+    assert not cpu_backend.one_call_layers(bf16, batch(limit + 1, 1), Cache, True)
+    assert cpu_backend.one_call_layers(bf16, batch(limit // layer_kernel.LIMIT, layer_kernel.LIMIT), Cache, True)
     # where the rows kernel runs the dot code on an AMX CPU (no tiles lent), the limit falls with it
     monkeypatch.setattr(cpu_backend, "_ROWS_KERNEL_ROWS", 2)
-    assert layer_kernel.max_rows() == 2 and not layer_kernel.serves(bf16, batch(3, 1), Cache, True)
+    assert cpu_backend.layer_kernel_rows() == 2 and not cpu_backend.one_call_layers(bf16, batch(3, 1), Cache, True)
 
 
 @pytest.fixture(scope="module")
 def int4_pair(tmp_path_factory):
     """(bf16 tiny Qwen3 with q/k norms, its int4 draft in int4_rows.c's groups): every width a multiple of 32."""
-    from rollout_ssd.models import quant
 
     if not layer_kernel.int4_available():
         pytest.skip("int4_rows.c does not run here (it needs avx512_bf16)")
@@ -273,7 +273,7 @@ def int4_pair(tmp_path_factory):
     build_tiny(directory, family="qwen3-qknorm-yarn", seed=5, num_hidden_layers=3, intermediate_size=64,
                hidden_size=64, max_position_embeddings=256)
     target = load_pretrained(str(directory), dtype="bfloat16", with_tokenizer=False)
-    return target.model, quant.int4_draft(target).model
+    return target.model, loader.int4_draft(target).model
 
 
 def test_an_int4_draft_runs_through_the_kernel_as_its_module_layers_do(int4_pair, monkeypatch):
@@ -296,13 +296,13 @@ def test_an_int4_draft_runs_through_the_kernel_as_its_module_layers_do(int4_pair
         keys = values = [torch.zeros(64, draft.cfg.num_kv_heads, 8, draft.cfg.head_dim, dtype=torch.bfloat16)
                          ] * len(draft.layers)
 
-    monkeypatch.setattr(layer_kernel, "_MAX_ROWS", None)
+    monkeypatch.setattr(cpu_backend, "_LAYER_ROWS", None)
     monkeypatch.setattr(cpu_backend, "cpu_kind", lambda: "amx")
     monkeypatch.setattr(cpu_backend, "_ROWS_KERNEL_ROWS", layer_kernel.LIMIT)
     rows = layer_kernel.LIMIT + 1
     many = ForwardBatch(torch.zeros(rows, 1, dtype=torch.long), torch.zeros(rows, 1, dtype=torch.long), [1] * rows,
                         list(range(rows)), [0] * rows)
-    assert layer_kernel.serves(target, many, Cache, True) and not layer_kernel.serves(draft, many, Cache, True)
+    assert cpu_backend.one_call_layers(target, many, Cache, True) and not cpu_backend.one_call_layers(draft, many, Cache, True)
 
 
 def test_a_weight_written_after_a_step_is_the_next_steps(pair, monkeypatch):
@@ -366,7 +366,7 @@ def test_a_step_of_more_rows_than_32(pair, monkeypatch):
     rows kernel's groups of 32): the kernel served it, its logits are within a quarter of the module layers'
     bf16 error against float32 of the module layers', and a row's logits are the same alone, bit for bit."""
     bf16, f32 = pair
-    monkeypatch.setattr(layer_kernel, "_MAX_ROWS", 64)
+    monkeypatch.setattr(cpu_backend, "_LAYER_ROWS", 64)
     rows = 40
 
     def step(model, kernel, which):

@@ -542,15 +542,16 @@ def test_dtype_auto_is_the_cpu_backends_pick():
     """dtype "auto" is decided once, by the CPU backend: bfloat16 exactly where bf16 matmuls run natively
     (CUDA, or a CPU with bf16 units) or the bf16 rows kernel's widened build runs (AVX-512 without bf16
     units), float32 elsewhere, with a line saying which and why."""
-    from rollout_ssd.models import bf16_rows, cpu_backend
+    from rollout_ssd.kernels import bf16_rows
+    from rollout_ssd.models import cpu_dtype
     from rollout_ssd.models.loader import parse_dtype
 
-    assert cpu_backend.cpu_kind() in ("amx", "avx512_bf16", "avx512", "avx2", "default")
-    widened = cpu_backend.cpu_kind() == "avx512" and bf16_rows.available() and not torch.cuda.is_available()
-    assert cpu_backend.widened_bf16() == widened
-    expected = torch.bfloat16 if cpu_backend.native_bf16() or widened else torch.float32
-    assert parse_dtype("auto") == cpu_backend.auto_dtype() == expected
-    line = cpu_backend.describe_auto_dtype()
+    assert cpu_dtype.cpu_kind() in ("amx", "avx512_bf16", "avx512", "avx2", "default")
+    widened = cpu_dtype.cpu_kind() == "avx512" and bf16_rows.available() and not torch.cuda.is_available()
+    assert cpu_dtype.widened_bf16() == widened
+    expected = torch.bfloat16 if cpu_dtype.native_bf16() or widened else torch.float32
+    assert parse_dtype("auto") == cpu_dtype.auto_dtype() == expected
+    line = cpu_dtype.describe_auto_dtype()
     assert line.startswith("bfloat16" if expected == torch.bfloat16 else "float32") and "\n" not in line
 
 
@@ -561,14 +562,15 @@ def test_dtype_auto_is_the_cpu_backends_pick():
     ("avx2", False, None, torch.float32), ("default", False, None, torch.float32)])
 def test_dtype_auto_wants_bf16_units_or_the_widened_kernel_not_onednns_emulation(monkeypatch, kind, onednn_says,
                                                                                   kernel, want):
-    from rollout_ssd.models import bf16_rows, cpu_backend
+    from rollout_ssd.kernels import bf16_rows
+    from rollout_ssd.models import cpu_dtype
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(cpu_backend, "cpu_kind", lambda: kind)
+    monkeypatch.setattr(cpu_dtype, "cpu_kind", lambda: kind)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn_says)
     monkeypatch.setattr(bf16_rows, "variant", lambda: kernel)
     monkeypatch.setattr(bf16_rows, "available", lambda: kernel is not None)
-    assert cpu_backend.auto_dtype() == want
-    line = cpu_backend.describe_auto_dtype()
+    assert cpu_dtype.auto_dtype() == want
+    line = cpu_dtype.describe_auto_dtype()
     assert line.startswith(str(want).removeprefix("torch.")) and f"CPU {kind}" in line
     assert ("widens bf16 weights" in line) == (kernel == "widened")

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig
-from rollout_ssd.models import quant
+from rollout_ssd.kernels import int4_rows
+from rollout_ssd.models import loader, quant
 from rollout_ssd.models.loader import load_pretrained
 from rollout_ssd.models.weight_copies import WeightCopies
 from rollout_ssd.ssd.draft_server import weights_digest
@@ -42,7 +43,7 @@ def test_int4_linear_is_the_product_with_the_dequantized_weight(dtype, rows, mon
     whatever the model's dtype): within bf16's rounding of the output, plus float32 accumulation over K
     (bound: (K + 2) eps(float32) sum |x||w| + eps(bf16) |ref|, with a factor 4); the result comes back in
     the model's dtype."""
-    from rollout_ssd.models import layer_kernel
+    from rollout_ssd.kernels import layer_kernel
 
     monkeypatch.setattr(layer_kernel, "int4_available", lambda: False)
     g = torch.Generator().manual_seed(rows)
@@ -71,18 +72,18 @@ def test_rows_codes_round_each_weight_to_its_groups_nearest_level():
     """`pack_int4_rows`: codes in 0..15 whose dequantized weight (on the bf16 step and minimum) is within half
     a step of w, plus the minimum's bf16 rounding; partial tiles (n not a multiple of 64) come back cut."""
     w = torch.randn(100, 96, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    codes, scales = quant.pack_int4_rows(w)
+    codes, scales = int4_rows.pack(w)
     assert codes.dtype == torch.uint8 and codes.shape == (2, 48, 64) and scales.shape == (2, 3, 2, 64)
-    deq = quant.dequantize_int4_rows(codes, scales, 100)
+    deq = int4_rows.dequantize(codes, scales, 100)
     step = scales[:, :, 0].permute(0, 2, 1).reshape(128, 3)[:100].float().repeat_interleave(32, dim=1)
     lo = scales[:, :, 1].permute(0, 2, 1).reshape(128, 3)[:100].float().repeat_interleave(32, dim=1)
     assert (deq - w.float()).abs().le(step / 2 * (1 + 2.0 ** -7) + lo.abs() * 2.0 ** -8 + 1e-7).all()
     with pytest.raises(ValueError, match="multiple of 32 columns"):
-        quant.pack_int4_rows(torch.zeros(4, 40))
+        int4_rows.pack(torch.zeros(4, 40))
 
 
 def _int4_rows_kernel():
-    from rollout_ssd.models import layer_kernel
+    from rollout_ssd.kernels import layer_kernel
 
     if not layer_kernel.int4_available():
         pytest.skip("csrc/int4_rows.c does not run here (it needs avx512_bf16)")
@@ -92,7 +93,7 @@ def _int4_rows_kernel():
 @pytest.mark.parametrize("shape", [(960, 576), (100, 64), (576, 1536), (49152 // 64, 576)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 32])
 def test_int4_rows_kernel_is_the_product_with_its_dequantized_weight(shape, rows):
-    """csrc/int4_rows.c against float64 x @ dequantize_int4_rows(w).T (+ bias): its sum runs over
+    """csrc/int4_rows.c against float64 x @ int4_rows.dequantize(w).T (+ bias): its sum runs over
     x (128 + q) and takes 128 s x off per group, so besides the output's bf16 rounding (eps(bf16) |ref|)
     its float32 error is bounded by (K + 8) eps(float32) times sum |x| (143 s + |lo - 128 s|) per group,
     with a factor 2; the same bound on every CPU."""
@@ -102,8 +103,8 @@ def test_int4_rows_kernel_is_the_product_with_its_dequantized_weight(shape, rows
     w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
     x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
     bias = torch.randn(n, generator=g)
-    codes, scales = quant.pack_int4_rows(w)
-    deq = quant.dequantize_int4_rows(codes, scales, n).double()
+    codes, scales = int4_rows.pack(w)
+    deq = int4_rows.dequantize(codes, scales, n).double()
     tiles = codes.shape[0]
     step, lo = (scales[:, :, i].permute(0, 2, 1).reshape(tiles * 64, -1)[:n].double().repeat_interleave(32, dim=1)
                 for i in (0, 1))
@@ -125,7 +126,7 @@ def test_int4_rows_kernel_row_results_do_not_depend_on_the_batch_or_threads(seed
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(130, 1024, generator=g) * 0.05).to(torch.bfloat16)
     x = torch.randn(21, 1024, generator=g).to(torch.bfloat16)
-    codes, scales = quant.pack_int4_rows(w)
+    codes, scales = int4_rows.pack(w)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -145,7 +146,7 @@ def test_int4_rows_kernel_row_results_do_not_depend_on_the_batch_or_threads(seed
 
 def test_int4_rows_kernel_refuses_what_does_not_fit():
     layer_kernel = _int4_rows_kernel()
-    codes, scales = quant.pack_int4_rows(torch.zeros(130, 96, dtype=torch.bfloat16))
+    codes, scales = int4_rows.pack(torch.zeros(130, 96, dtype=torch.bfloat16))
     x = torch.zeros(2, 96, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="does not fit"):
         layer_kernel.int4_linear(x[:, :64], codes, scales, 130)  # other columns than the codes'
@@ -168,7 +169,7 @@ def test_bad_settings_are_refused_by_name(tmp_path):
 def pair(tmp_path):
     hf, loaded = tiny_model(tmp_path / "m", init="transformers", logit_scale=8.0, vocab_size=64, hidden_size=64,
                             intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
-    return hf, loaded, quant.int4_draft(loaded)
+    return hf, loaded, loader.int4_draft(loaded)
 
 
 def _greedy(engine, n=14):

@@ -125,7 +125,8 @@ def test_key_holds_the_cpu_linear_kernels(tmp_path, monkeypatch):
     run it: its part of the key is the same either way; the float32 rows kernel is its part. The form a
     16-bit model's few-query attention takes (SDPA or not, the few_attention kernel) is in its part too, and
     the most tokens the one-call layer kernel takes (0 where it does not run)."""
-    from rollout_ssd.models import attention, bf16_rows, cpu_backend, few_attention, layer_kernel
+    from rollout_ssd.kernels import bf16_rows, few_attention, layer_kernel
+    from rollout_ssd.models import attention, cpu_backend
     from rollout_ssd.models.loader import load_pretrained
     from rollout_ssd.runner import ModelRunner
     from rollout_ssd.ssd import rule_cache
@@ -167,7 +168,7 @@ def test_key_holds_the_cpu_linear_kernels(tmp_path, monkeypatch):
     for on in (True, False):  # the one-call layer kernel: its row limit, 0 where off
         monkeypatch.setattr(layer_kernel, "available", lambda on=on: on)
         layers.append(engine_key(runner, draft, SSDConfig()))
-    assert [k["target"]["cpu_kernels"]["layer_kernel"] for k in layers] == [layer_kernel.max_rows(), 0]
+    assert [k["target"]["cpu_kernels"]["layer_kernel"] for k in layers] == [cpu_backend.layer_kernel_rows(), 0]
     assert RuleCache("d", layers[0]).path != RuleCache("d", layers[1]).path
 
 

@@ -1,4 +1,4 @@
-"""Tree attention (rollout_ssd/kernels/): mask semantics, the SDPA path, and the Triton kernel.
+"""Tree attention (kernels/): mask semantics, the SDPA path, and the Triton kernel.
 
 Accuracy rule on the CPU (interpreter): against a float64 reference, every output element of the
 Triton kernel must be within a rounding-error bound derived from the kernel's arithmetic (fp32 sums,

@@ -8,11 +8,12 @@ each layer's queries over that layer's whole KV cache (`__call__`):
   sdpa    PyTorch SDPA over the rows' caches cut to the read length (a view when the slots are one
           run, else a gather), with a dense [B, 1, T, L] visibility mask (none when every query sees
           every key: the equal-length decode). On every device; on CUDA, SDPA picks its fused kernel; on a
-          CPU, a few queries per row over a bf16 cache take this package's C kernel (few_attention.py:
-          float32 softmax, each (row, KV head)'s keys read once); where it does not run (and for fp16), an
-          explicit softmax(q k^T) v (`explicit_attention`), the CPU flash kernel with a mask being several
-          times slower, except on CPU kinds where the flash kernel is the faster (`SDPA_FEW_QUERIES`: AMX).
-  triton  the span-based Triton kernel (rollout_ssd/kernels/tree_attention.py): each query reads only
+          CPU, a few queries per row over a bf16 cache take this package's C kernel through cpu_backend.py
+          (kernels/few_attention.py: float32 softmax, each (row, KV head)'s keys read once); where it does
+          not run (and for fp16), an explicit softmax(q k^T) v (`explicit_attention`), the CPU flash kernel
+          with a mask being several times slower, except on CPU kinds where the flash kernel is the faster
+          (`SDPA_FEW_QUERIES`: AMX).
+  triton  the span-based Triton kernel (kernels/tree_attention.py): each query reads only
           its own keys, given as half-open spans of its slot ([Nq, S, 2] on the device), so no mask is
           built, no slot is gathered and the masked tail is never loaded. Decode's query sees
           [0, start + 1); verify's query i sees [0, start + i + 1); an SSD tree step's query sees its
@@ -39,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout_ssd.config import ATTENTION
-from rollout_ssd.models import cpu_backend, few_attention
+from rollout_ssd.models import cpu_backend, cpu_dtype
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,8 @@ class KeyLayout:
 
 
 class AttentionBackend(ABC):
+    name: str  # EngineConfig.attention's name for it (the CPU backend asks for "sdpa"'s cache layout)
+
     @abstractmethod
     def prepare(self, layout: KeyLayout):
         """What every layer of this forward reads (built once, on the device)."""
@@ -133,14 +136,14 @@ SDPA_FEW_QUERIES = cpu_backend.cpu_kind() in cpu_backend.SDPA_FEW_QUERIES_KINDS 
 
 def cache_dtype(model) -> torch.dtype:
     """The dtype of a model's KV cache: the model's, except a bf16 model on a CPU without bf16 units whose
-    linears run the widened bf16 rows kernel (`cpu_backend.widened_bf16`), with the SDPA backend. There the
+    linears run the widened bf16 rows kernel (`cpu_dtype.widened_bf16`), with the SDPA backend. There the
     cache is float32: it holds the same bf16 values exactly (k and v are bf16 when written), and the
     explicit attention, which works on float32 copies of k and v, reads it without casting the whole
     cache of every layer on every step (at 24 rows of 300 positions the casts were 0.37 of a layer's
     0.97 ms: bench/RESULTS.md, "bf16 without bf16 units"); SDPA (a prefill) reads it cast back to bf16.
     Every output is bitwise what a bf16 cache gives. Twice the KV bytes of a bf16 cache."""
     if model.dtype == torch.bfloat16 and model.embed.is_cpu and isinstance(model.backend, SDPABackend) \
-            and cpu_backend.widened_bf16():
+            and cpu_dtype.widened_bf16():
         return torch.float32
     return model.dtype
 
@@ -174,6 +177,8 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 
 
 class SDPABackend(AttentionBackend):
+    name = "sdpa"
+
     def prepare(self, layout: KeyLayout) -> MaskedRead:
         mask = _visible_mask(layout)
         if layout.contiguous:
@@ -184,7 +189,7 @@ class SDPABackend(AttentionBackend):
     def __call__(self, q, k_cache, v_cache, prepared: MaskedRead, scale):
         k, v = prepared.read(k_cache), prepared.read(v_cache)
         if few_queries(q):  # a bf16 model's few queries: the kernel where it serves the call
-            out = few_attention.try_attend(q, k, v, prepared.mask, scale)
+            out = cpu_backend.few_query_attention(q, k, v, prepared.mask, scale)
             if out is not None:
                 return out
         if explicit_attention_applies(q):  # where it does not run, and flash attention is not the faster
@@ -223,6 +228,7 @@ def _query_spans(layout: KeyLayout, t: int) -> torch.Tensor:
 class TritonBackend(AttentionBackend):
     """Span attention with the project's Triton kernel (see the module docstring)."""
 
+    name = "triton"
     max_causal_tokens = 16  # decode (1) and verify (K+1); longer causal rows are a prefill: SDPA
 
     def __init__(self, block_n: int = 64):

@@ -11,11 +11,13 @@ another order), never the model:
   rounding of F.linear); otherwise, with bf16 units, oneDNN's linear over packed weights, bitwise F.linear;
 - inside a live compiled step (graphs.py): the same kernels, as ops inductor calls as they are, over copies
   `pack_live` keeps current; with the rows kernel off, a one-row linear is a float32 reduction inductor streams;
-- dtype "auto": bfloat16 where bf16 matmuls run natively or at memory speed (`widened_bf16`), else float32;
-- which attention form a few queries over a 16-bit cache take (`SDPA_FEW_QUERIES_KINDS`).
+- whether a forward's layers run as one C call each (`one_call_layers`, the layer kernel) and which
+  attention form a few queries over a 16-bit cache take (`SDPA_FEW_QUERIES_KINDS`, `few_query_attention`).
 
-The CPU kind is read once per process (`cpu_kind`). Measurements behind these choices: bench/RESULTS.md;
-bench/bench_gemm.py, bench/bf16_rows_kernel.py and bench/f32_rows_kernel.py re-measure them.
+It is the one module the model calls for these choices: the kernels (rollout_ssd.kernels: bf16_rows,
+f32_rows, few_attention, layer_kernel) sit below it and never import it. dtype "auto" is cpu_dtype.py's.
+The CPU kind is read once per process (`cpu_kind`, kernels/cpu.py). Measurements behind these choices:
+bench/RESULTS.md; bench/bench_gemm.py, bench/bf16_rows_kernel.py and bench/f32_rows_kernel.py re-measure them.
 """
 
 from __future__ import annotations
@@ -29,81 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout_ssd.models import bf16_rows, f32_rows, quant
-from rollout_ssd.models.weight_copies import WeightCopies
+from rollout_ssd.kernels import bf16_rows, f32_rows, few_attention, int4_rows, layer_kernel
+from rollout_ssd.kernels.cpu import BF16_UNITS, cpu_kind
+from rollout_ssd.models import quant
+from rollout_ssd.models.weight_copies import WeightCopies, linear_weights
 
 log = logging.getLogger(__name__)
-
-
-# ------------------------------------------------------------------------------ the CPU found
-def _cpuinfo(field: str) -> str:
-    """The first /proc/cpuinfo line's value for `field` ("" where there is none: not Linux)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(field)), "")
-    except OSError:
-        return ""
-
-
-@functools.cache
-def cpu_flags() -> frozenset:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    return frozenset(_cpuinfo("flags").split())
-
-
-@functools.cache
-def cpu_model() -> str:
-    return _cpuinfo("model name")  # "" where /proc/cpuinfo has none
-
-
-@functools.cache
-def cpu_kind() -> str:
-    """"amx" | "avx512_bf16" | "avx512" | "avx2" | "default": the best matmul ISA this CPU has, from
-    /proc/cpuinfo's flags (bf16 units) and torch's own vector-capability probe (the rest)."""
-    flags = cpu_flags()
-    if "amx_bf16" in flags:
-        return "amx"
-    if "avx512_bf16" in flags:
-        return "avx512_bf16"
-    capability = torch.backends.cpu.get_cpu_capability().lower()
-    if capability.startswith("avx512"):
-        return "avx512"
-    return "avx2" if capability == "avx2" else "default"
-
-
-BF16_UNITS = ("amx", "avx512_bf16")  # CPU kinds with bf16 dot-product instructions
-
-
-def native_bf16() -> bool:
-    """Whether bfloat16 matmuls run natively here: a CUDA device, or a CPU with bf16 dot-product units
-    (AMX or avx512_bf16). oneDNN also says so on AVX-512 CPUs without them (`_is_mkldnn_bf16_supported`),
-    where it widens every bf16 operand to float32 in registers: prefill and decode measured slower in bf16
-    than in float32 there (bench/RESULTS.md, "A sixth CPU kind"), so those count as not native."""
-    return torch.cuda.is_available() or cpu_kind() in BF16_UNITS
-
-
-def widened_bf16() -> bool:
-    """Whether bf16 runs at memory speed without bf16 units: CPU kind "avx512" (no CUDA) with the bf16 rows
-    kernel's widened build, where decode and verify measured faster in bf16 than in float32 (RESULTS.md)."""
-    return not torch.cuda.is_available() and cpu_kind() == "avx512" and bf16_rows.variant() == "widened" \
-        and bf16_rows.available()
-
-
-def auto_dtype() -> torch.dtype:
-    """What `dtype="auto"` loads: bfloat16 where bf16 matmuls run natively or `widened_bf16`, else float32
-    (PyTorch would emulate bf16: prefill and batched decode several times slower than float32)."""
-    log.info("dtype auto: %s", describe_auto_dtype())
-    return torch.bfloat16 if native_bf16() or widened_bf16() else torch.float32
-
-
-def describe_auto_dtype() -> str:
-    """One line saying what dtype "auto" picks on this machine and why."""
-    where = "CUDA" if torch.cuda.is_available() else f"CPU {cpu_kind()}"
-    if native_bf16():
-        return f"bfloat16 ({where}: native bf16 matmuls)"
-    if widened_bf16():
-        return f"bfloat16 ({where}: no bf16 units; the bf16 rows kernel widens bf16 weights in registers, half float32's bytes)"
-    return f"float32 ({where}: no bf16 dot-product units, bf16 matmuls would be emulated)"
 
 
 # ------------------------------------------------------------------------------ layouts and copies
@@ -162,6 +95,66 @@ def _row_major(w: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Ten
 SDPA_FEW_QUERIES_KINDS = ("amx",)  # where few_attention's kernel does not run (0.77-0.98x; RESULTS, "SDPA on AMX")
 
 
+def few_query_attention(q, k, v, mask, scale) -> Optional[torch.Tensor]:
+    """A few queries per row over a 16-bit CPU cache on few_attention's kernel, or None where the kernel does
+    not take the call (attention.py then picks between its explicit form and SDPA)."""
+    return few_attention.try_attend(q, k, v, mask, scale)
+
+
+# The most tokens a step runs through the layer kernel: the rows kernel's own limit (`rows_kernel_rows()`), at most
+# layer_kernel.LIMIT, unless measured otherwise for a CPU kind here where the rows kernel takes LIMIT rows
+# (bench/layer_kernel.py; bench/RESULTS.md, "One C call a layer" and "The layer kernel's arithmetic on every thread").
+# Whatever the rows, a row of more than LIMIT tokens is a prefill (SDPA's flash kernel's work), and so are the
+# linears of an int4 draft's step past LIMIT tokens (int4_rows.c is tested up to LIMIT rows).
+LAYER_KERNEL_ROWS = {"amx": 256}  # AMX's tiles: decode and verify steps of up to 256 rows beat the module layers
+_LAYER_ROWS: Optional[int] = None  # an override (bench/layer_kernel.py forces the kernel past its limit this way)
+
+
+def layer_kernel_rows() -> int:
+    """The most tokens (rows x tokens per row) a step runs through the layer kernel on this CPU."""
+    if _LAYER_ROWS is not None:
+        return _LAYER_ROWS
+    rows = min(rows_kernel_rows(), layer_kernel.LIMIT)
+    return LAYER_KERNEL_ROWS.get(cpu_kind(), rows) if rows == layer_kernel.LIMIT else rows
+
+
+def _layer_kernel_fits(model) -> bool:
+    """Whether the model's layers are ones the layer kernel computes: bf16 on the CPU, frozen, bf16 linears or an
+    int4 draft's in int4_rows.c's groups, the SDPA backend's cache layout, shapes the kernels take."""
+    cfg, layer = model.cfg, model.layers[0] if len(model.layers) else None
+    if layer is not None and layer.row_major.int4_group is not None:  # an int4 draft: int4_rows.c's groups
+        g = int4_rows.GROUP
+        if layer.row_major.int4_group != g or not layer_kernel.int4_available() \
+                or any(k % g for k in (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)):
+            return False
+    return (layer is not None and model.dtype == torch.bfloat16 and model.embed.is_cpu
+            and model.backend.name == "sdpa" and not layer.wqkv.requires_grad
+            and 0 < cfg.head_dim <= layer_kernel.MAX_HEAD_DIM and cfg.head_dim % 2 == 0
+            and cfg.hidden_size % 2 == 0 and cfg.intermediate_size % 2 == 0)
+
+
+def one_call_layers(model, batch, cache, contiguous: bool) -> bool:
+    """Whether a Decoder forward runs its layers as one C call each (`layer_kernel.forward_layers`): a few causal
+    tokens (decode, verify, a short prefill; not a tree step's mask or spans) of a bf16 CPU model with frozen
+    weights, rows in consecutive slots, where the rows kernel runs, outside compiled steps."""
+    b, t = batch.tokens.shape
+    limit = layer_kernel.LIMIT
+    if torch.compiler.is_compiling() or not contiguous or batch.mask is not None or batch.spans is not None \
+            or not layer_kernel.available() or t > (_LAYER_ROWS or limit) or b * t > layer_kernel_rows() \
+            or not few_attention.available() or not _layer_kernel_fits(model) \
+            or (b * t > limit and model.layers[0].row_major.int4_group is not None):
+        return False  # (available() first: loading the rows kernel may lower the row limit, bf16_rows._kernel)
+    kc = cache.keys[0]
+    return kc.is_cpu and kc.dtype in (torch.bfloat16, torch.float32) and kc.dim() == 4 and kc.stride(3) == 1 \
+        and all(k.stride() == kc.stride() and v.stride() == kc.stride() and k.dtype == kc.dtype
+                for k, v in zip(cache.keys, cache.values))
+
+
+def forward_one_call_layers(model, x, cos, signed_sin, batch, cache, length: int) -> torch.Tensor:
+    """The model's layers over x [B, T, H] for a forward `one_call_layers` took (layer_kernel.forward_layers)."""
+    return layer_kernel.forward_layers(model, x, cos, signed_sin, batch, cache, length)
+
+
 def gemm_rows(m: int) -> int:
     """The row count `linear` and the LM head run an m-row W @ x.T at (m, or up to 7 zero rows more)."""
     if m <= 16:
@@ -205,8 +198,10 @@ _ROWS_KERNEL_ROWS = ROWS_KERNEL_MAX_ROWS.get(cpu_kind(), 32)  # read once: compi
 
 
 def rows_kernel_rows() -> int:
-    """The most rows a bf16 linear runs on the rows kernel on this CPU (where the kernel runs)."""
-    return _ROWS_KERNEL_ROWS
+    """The most rows a bf16 linear runs on the rows kernel on this CPU (where the kernel runs; lowered to
+    `bf16_rows.ROWS_CAP` where loading it found AMX's tiles unused)."""
+    cap = bf16_rows.ROWS_CAP
+    return _ROWS_KERNEL_ROWS if cap is None else min(_ROWS_KERNEL_ROWS, cap)
 
 
 def _rows_kernel_serves(w: torch.Tensor) -> bool:
@@ -310,12 +305,6 @@ def _packs(model) -> bool:
     model where `packed_bf16` or `bf16_rows.available()`, not an int4 draft."""
     return (packed_bf16() or bf16_rows.available()) and model.dtype == torch.bfloat16 and model.embed.is_cpu \
         and model.copies.int4_group is None
-
-
-def linear_weights(model) -> list:  # (weight, bias, its WeightCopies, name): the layers' four linears, the LM head
-    out = [(getattr(layer, name), bias, layer.row_major, name) for layer in model.layers
-           for name, bias in (("wqkv", layer.bqkv), ("wo", None), ("w_gate_up", None), ("w_down", None))]
-    return out + [(model.lm_head, None, model.copies, "lm_head")]
 
 
 # oneDNN makes a kernel per (weight shape, row count) on first meeting one (a fresh engine's first call meets

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout_ssd.kv_cache import KVCache
-from rollout_ssd.models import layer_kernel
+from rollout_ssd.models import cpu_backend
 from rollout_ssd.models.attention import AttentionBackend, KeyLayout, SDPABackend
 from rollout_ssd.models.config import ModelConfig
 from rollout_ssd.models.cpu_backend import head_matmul, layer_weight, linear
@@ -231,9 +231,9 @@ class Decoder(nn.Module):
             return self.forward(sorted_batch, cache)[torch.argsort(rows)]
         slots, starts = batch.slots, batch.starts
         contiguous = slots == list(range(slots[0], slots[0] + b))
-        if layer_kernel.serves(self, batch, cache, contiguous):  # a few causal tokens of a bf16 CPU model
+        if cpu_backend.one_call_layers(self, batch, cache, contiguous):  # a few causal tokens of a bf16 CPU model
             x = F.embedding(batch.tokens, self.embed)
-            x = layer_kernel.forward_layers(self, x, *self.rope_tables(batch.positions), batch, cache, max(ends))
+            x = cpu_backend.forward_one_call_layers(self, x, *self.rope_tables(batch.positions), batch, cache, max(ends))
             return self._finish(x, slots, ends, cache)
         # one contiguous block of new entries: every row writes t tokens at the same position
         block_write = contiguous and len(set(starts)) == 1 and all(n == t for n in batch.num_new)

@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rollout_ssd.models.disk_cache import cache_root, file_key
+
 ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -140,8 +142,6 @@ def _dequantized_state(path: Path, index: dict, hf_config) -> dict[str, torch.Te
 def gguf_index(path: Path) -> dict:
     """The file's config fields and tensor table: from the cache where a sound index of this very file
     (path, size, mtime) is kept, else parsed with `gguf.GGUFReader` and kept for the next load."""
-    from rollout_ssd.models.loader import cache_root, file_key
-
     st = path.stat()
     stamp = {"format": INDEX_FORMAT, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     cached = cache_root() / "gguf" / f"{file_key(path)}.json"

@@ -9,7 +9,6 @@ size and mtime.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -21,8 +20,10 @@ import torch
 from torch import nn
 
 from rollout_ssd.models.config import model_config_from_hf, rope_inv_freq
-from rollout_ssd.models.cpu_backend import auto_dtype
+from rollout_ssd.models.cpu_dtype import auto_dtype
 from rollout_ssd.models.decoder import Decoder
+from rollout_ssd.models.disk_cache import cache_root, file_key
+from rollout_ssd.models.quant import DEFAULT_GROUP, quantize_int4
 from rollout_ssd.models.registry import INT4_DRAFT, resolve_builtin, resolve_draft
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class LoadedModel:
 
 def parse_dtype(dtype) -> torch.dtype:
     """A torch dtype from its name; "auto" is the CPU backend's pick for this machine
-    (`cpu_backend.auto_dtype`: bfloat16 where bf16 matmuls run natively or at memory speed through the bf16
+    (`cpu_dtype.auto_dtype`: bfloat16 where bf16 matmuls run natively or at memory speed through the bf16
     rows kernel's widened build, else float32)."""
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -148,11 +149,22 @@ def load_draft(draft: str, target: LoadedModel, target_name: str, dtype="auto") 
     target (models/quant.py); anything else is `resolve_draft(draft, target_name)` loaded in `dtype`
     without a tokenizer, sharing the target's embedding where its config says so."""
     if draft == INT4_DRAFT:
-        from rollout_ssd.models.quant import int4_draft  # (quant imports this module)
-
         return int4_draft(target)
     return load_pretrained(resolve_draft(draft, target_name), dtype=dtype, with_tokenizer=False,
                            share_embedding_from=target.model)
+
+
+def int4_draft(target: LoadedModel, group: int = DEFAULT_GROUP) -> LoadedModel:
+    """A draft made of the target (a LoadedModel): a Decoder over the target's own parameter tensors
+    (nothing copied), its linears in int4 (models/quant.py, `quantize_int4`), as a LoadedModel without a tokenizer.
+    Sharing every tensor makes it follow the target: a target update writes its weights, its int4
+    copies are made again on their next use, and under SSD the draft side is sent the changed tensors
+    (ssd/draft_side.py, as for a built-in draft's shared embedding); draft updates naming them are
+    refused (draft_sync.py)."""
+    src = target.model
+    model = Decoder(src.cfg, src.inv_freq, src.rope_scaling, dtype=src.dtype).to(src.embed.device)
+    model.load_state_dict(src.state_dict(keep_vars=True), assign=True)  # the target's Parameters themselves
+    return LoadedModel(quantize_int4(model.eval(), group), target.hf_config, None, f"{target.source} (int4 draft)")
 
 
 def dir_tokenizer(path: Path):
@@ -161,16 +173,6 @@ def dir_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("ROLLOUT_SSD_CACHE", Path.home() / ".cache" / "rollout_ssd"))
-
-
-def file_key(path: Path) -> str:
-    """A cache key of this file as it is now: its resolved path, size and mtime."""
-    st = path.stat()
-    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
 def gguf_tokenizer(path: Path):

@@ -26,6 +26,9 @@ from typing import Optional
 
 import torch
 
+from rollout_ssd.kernels import int4_rows, layer_kernel
+from rollout_ssd.models.weight_copies import linear_weights
+
 INT4_GROUPS = (32, 64, 128)
 DEFAULT_GROUP = 32
 KERNEL_DTYPE = torch.bfloat16  # what the int4 kernel reads and writes (module docstring)
@@ -59,59 +62,9 @@ def dequantize(codes: torch.Tensor, scales_zeros: torch.Tensor, group: int) -> t
     return ((codes.reshape(n, k // group, group).float() - 8) * scale + zero).reshape(n, k)
 
 
-ROWS_GROUP = 32  # int4_rows.c's group (its layout): the layer kernel takes models quantized with it
-ROWS_KERNEL_MAX_ROWS = 32  # rows of an int4 linear int4_rows.c takes (past them, a prefill: `linear`)
-
-
-def _nibble_order() -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, k parity) of each nibble of a pair's 64 bytes, [2 (low, high), 64]: byte b = 16 i + r holds
-    output 4 i + (r % 8) // 2 (+ 16 where r >= 8) at parity r % 2, the high nibble the output 32 past it
-    (int4_rows.c: what its unpacklo / unpackhi of each 128-bit lane put in output order)."""
-    b = torch.arange(64)
-    i, r = b // 16, b % 16
-    out = 4 * i + (r % 8) // 2 + 16 * (r >= 8)
-    return torch.stack((out, out + 32)), torch.stack((r % 2, r % 2))
-
-
-_NIBBLE_OUTPUTS, _NIBBLE_PARITY = _nibble_order()
-
-
-def pack_int4_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] (K a multiple of 32) in csrc/int4_rows.c's layout: (codes uint8 [ceil(N / 64), K / 2, 64],
-    scales bf16 [ceil(N / 64), K / 32, 2, 64]). Per group of 32 columns of a row: step s = (max - min) / 15
-    and minimum lo, both rounded to bf16 first, codes round((w - lo) / s) in 0..15, so w ~ codes * s + lo
-    (`int4_codes`' rounding, on the bf16 step and minimum the kernel reads)."""
-    n, k = w.shape
-    if k % ROWS_GROUP:
-        raise ValueError(f"pack_int4_rows needs a multiple of {ROWS_GROUP} columns, got a weight of shape {tuple(w.shape)}")
-    tiles = -(-n // 64)
-    g = torch.nn.functional.pad(w.detach().float(), (0, 0, 0, tiles * 64 - n)).reshape(tiles * 64, k // ROWS_GROUP,
-                                                                                     ROWS_GROUP)
-    lo = g.amin(-1).to(torch.bfloat16)
-    step = ((g.amax(-1) - lo.float()) / 15).to(torch.bfloat16)
-    safe = step.float().clamp(min=torch.finfo(torch.float32).tiny)[..., None]
-    codes = ((g - lo.float()[..., None]) / safe).round().clamp(0, 15).to(torch.uint8).reshape(tiles, 64, k // 2, 2)
-    codes = codes.permute(0, 2, 1, 3)[:, :, _NIBBLE_OUTPUTS, _NIBBLE_PARITY]  # [tiles, pairs, 2 nibbles, 64 bytes]
-    packed = (codes[:, :, 0] | (codes[:, :, 1] << 4)).contiguous()
-    scales = torch.stack((step, lo), -1).reshape(tiles, 64, k // ROWS_GROUP, 2).permute(0, 2, 3, 1).contiguous()
-    return packed, scales
-
-
-def dequantize_int4_rows(packed: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
-    """The float32 [n, K] weight `pack_int4_rows`' output stands for (the reference its kernel is tested against)."""
-    tiles, pairs, _ = packed.shape
-    nibbles = torch.stack((packed & 15, packed >> 4), 2)  # [tiles, pairs, 2, 64]
-    codes = torch.zeros(tiles, pairs, 64, 2, dtype=torch.uint8)
-    codes[:, :, _NIBBLE_OUTPUTS, _NIBBLE_PARITY] = nibbles
-    codes = codes.permute(0, 2, 1, 3).reshape(tiles * 64, pairs * 2).float()
-    step, lo = (scales[:, :, i].permute(0, 2, 1).reshape(tiles * 64, -1).float() for i in (0, 1))
-    w = codes.reshape(tiles * 64, -1, ROWS_GROUP) * step[..., None] + lo[..., None]
-    return w.reshape(tiles * 64, -1)[:n]
-
-
 def rows_copy(copies, name: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`name`'s `pack_int4_rows` copy, made on first use and after each write to w."""
-    return copies.get(name + ":int4rows", w, pack_int4_rows)
+    """`name`'s copy in int4_rows.c's layout (`int4_rows.pack`), made on first use and after each write to w."""
+    return copies.get(name + ":int4rows", w, int4_rows.pack)
 
 
 class Int4Weight:
@@ -127,9 +80,7 @@ class Int4Weight:
 
 def _rows_kernel(x: torch.Tensor) -> bool:
     """Whether csrc/int4_rows.c takes a linear of x (its library runs here, whole groups of columns)."""
-    from rollout_ssd.models import layer_kernel  # (imported here: layer_kernel imports this module)
-
-    return layer_kernel.int4_available() and x.shape[-1] % ROWS_GROUP == 0
+    return layer_kernel.int4_available() and x.shape[-1] % int4_rows.GROUP == 0
 
 
 def _int4_copy(copies, name: str, w: torch.Tensor) -> Int4Weight:
@@ -143,11 +94,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, copies, name: str, bias: Optional[t
     batch's or tree's step) where int4_rows.c runs, the weight's own bf16 product: compute-bound there,
     where no int4 kernel here is faster; a draft's outputs need not be int4's, only the target's exact."""
     m = x.numel() // x.shape[-1]
-    if not torch.compiler.is_compiling() and copies.int4_group == ROWS_GROUP and _rows_kernel(x):
-        if m > ROWS_KERNEL_MAX_ROWS:  # a prefill: compute-bound, where the weights' own bf16 GEMM is the fast form
+    if not torch.compiler.is_compiling() and copies.int4_group == int4_rows.GROUP and _rows_kernel(x):
+        if m > int4_rows.MAX_ROWS:  # a prefill: compute-bound, where the weights' own bf16 GEMM is the fast form
             return torch.nn.functional.linear(x, w, bias)
-        from rollout_ssd.models import layer_kernel  # (imported here: layer_kernel imports this module)
-
         out = layer_kernel.int4_linear(x.reshape(m, x.shape[-1]), *rows_copy(copies, name, w), w.shape[0], bias)
         return out.to(w.dtype).view(*x.shape[:-1], w.shape[0])
     if torch.compiler.is_compiling():  # a compiled step: the copies `pack_live` listed before the trace
@@ -169,12 +118,10 @@ def pack_live(model) -> None:
     a no-op for other models (cpu_backend.pack_live calls it for one)."""
     if getattr(model, "int4_group", None) is None:
         return
-    from rollout_ssd.models.cpu_backend import linear_weights  # (cpu_backend imports this module)
-
     for w, _, copies, name in linear_weights(model):
         q = _int4_copy(copies, name, w)
         copies.live[name + ":int4"] = (q.packed, q.scales_zeros)
-        if copies.int4_group == ROWS_GROUP and _rows_kernel(w):
+        if copies.int4_group == int4_rows.GROUP and _rows_kernel(w):
             rows_copy(copies, name, w)  # the eager steps' copies too, made now rather than in a first round
 
 
@@ -188,8 +135,6 @@ def quantize_int4(model, group: int = DEFAULT_GROUP):
         raise RuntimeError("this torch build has no CPU int4 kernels (aten._weight_int4pack_mm_for_cpu)")
     if not model.embed.is_cpu or model.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"int4 drafts run on a CPU in bfloat16 or float32, got {model.dtype} on {model.embed.device}")
-    from rollout_ssd.models.cpu_backend import linear_weights  # (cpu_backend imports this module)
-
     columns = sorted({w.shape[1] for w, _, _, _ in linear_weights(model)})
     if any(k % group for k in columns):  # before anything changes: a refused model stays as it was
         fit = [g for g in INT4_GROUPS if all(k % g == 0 for k in columns)]
@@ -200,19 +145,3 @@ def quantize_int4(model, group: int = DEFAULT_GROUP):
     model.int4_group = group
     pack_live(model)  # each int4 copy made now, not in a first round
     return model
-
-
-def int4_draft(target, group: int = DEFAULT_GROUP):
-    """A draft made of the target (a LoadedModel): a Decoder over the target's own parameter tensors
-    (nothing copied), its linears in int4 (`quantize_int4`), as a LoadedModel without a tokenizer.
-    Sharing every tensor makes it follow the target: a target update writes its weights, its int4
-    copies are made again on their next use, and under SSD the draft side is sent the changed tensors
-    (ssd/draft_side.py, as for a built-in draft's shared embedding); draft updates naming them are
-    refused (draft_sync.py)."""
-    from rollout_ssd.models.decoder import Decoder
-    from rollout_ssd.models.loader import LoadedModel
-
-    src = target.model
-    model = Decoder(src.cfg, src.inv_freq, src.rope_scaling, dtype=src.dtype).to(src.embed.device)
-    model.load_state_dict(src.state_dict(keep_vars=True), assign=True)  # the target's Parameters themselves
-    return LoadedModel(quantize_int4(model.eval(), group), target.hf_config, None, f"{target.source} (int4 draft)")

@@ -35,3 +35,10 @@ class WeightCopies:
 
     def __len__(self) -> int:
         return len(self._copies)
+
+
+def linear_weights(model) -> list:
+    """(weight, bias, its WeightCopies, name) for a Decoder's layers' four linears and its LM head."""
+    out = [(getattr(layer, name), bias, layer.row_major, name) for layer in model.layers
+           for name, bias in (("wqkv", layer.bqkv), ("wo", None), ("w_gate_up", None), ("w_down", None))]
+    return out + [(model.lm_head, None, model.copies, "lm_head")]

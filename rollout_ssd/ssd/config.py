@@ -1,23 +1,21 @@
 """SSDConfig: every knob of speculative speculative decoding, in one small frozen dataclass.
 
 The public surface is `SpecConfig` (rollout_ssd/config.py): every field here is a SpecConfig field of
-the same name, and its default is read from there, so the two cannot drift.
+the same name, whose default SpecConfig reads from here, so the two cannot drift. This module imports
+nothing of the package: config.py imports it, never the other way.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
-from rollout_ssd.config import SpecConfig
-
 BACKUPS = ("neural", "suffix", "random")  # "neural": the draft model drafts a chain on a miss
 FALLBACKS = ("sd", "ar")
-_DEFAULTS = {f.name: f.default for f in fields(SpecConfig)}
 
 
 @dataclass(frozen=True)
@@ -50,27 +48,27 @@ class SSDConfig:
     rule_cache: where the rule's measurements are kept per machine for the next engine (ssd/rule_cache.py).
     """
 
-    k: int = _DEFAULTS["k"]
-    fanout: Optional[tuple[int, ...]] = _DEFAULTS["fanout"]
-    budget: Optional[int] = _DEFAULTS["budget"]
-    max_budget: int = _DEFAULTS["max_budget"]
-    C: Union[float, str] = _DEFAULTS["C"]
-    c_min: float = _DEFAULTS["c_min"]
-    backup: str = _DEFAULTS["backup"]
-    strategy_rule: bool = _DEFAULTS["strategy_rule"]
-    hysteresis: float = _DEFAULTS["hysteresis"]
-    switch_after: int = _DEFAULTS["switch_after"]
-    decide_after: int = _DEFAULTS["decide_after"]
-    decide_margin: float = _DEFAULTS["decide_margin"]
-    worker: bool = _DEFAULTS["worker"]
-    worker_timeout: float = _DEFAULTS["worker_timeout"]
-    startup_timeout: float = _DEFAULTS["startup_timeout"]
-    pin_cores: bool = _DEFAULTS["pin_cores"]
-    fallback: str = _DEFAULTS["fallback"]
-    max_restarts: int = _DEFAULTS["max_restarts"]
-    draft_device: Optional[str] = _DEFAULTS["draft_device"]
-    stop_prob: float = _DEFAULTS["stop_prob"]  # SD rounds' early stop (the SD engine's; SpecConfig)
-    rule_cache: Union[bool, str, os.PathLike] = _DEFAULTS["rule_cache"]
+    k: int = 4
+    fanout: Optional[tuple[int, ...]] = None
+    budget: Optional[int] = None
+    max_budget: int = 32
+    C: Union[float, str] = 1.0
+    c_min: float = 0.3
+    backup: str = "neural"
+    strategy_rule: bool = True
+    hysteresis: float = 0.10
+    switch_after: int = 2
+    decide_after: int = 3
+    decide_margin: float = 0.3
+    worker: bool = True
+    worker_timeout: float = 30.0
+    startup_timeout: float = 180.0
+    pin_cores: bool = True
+    fallback: str = "sd"
+    max_restarts: int = 1
+    draft_device: Optional[str] = None
+    stop_prob: float = 0.3  # SD rounds' early stop (the SD engine's; SpecConfig)
+    rule_cache: Union[bool, str, os.PathLike] = True
 
     def __post_init__(self):
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:

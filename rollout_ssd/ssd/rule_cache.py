@@ -43,9 +43,12 @@ import torch
 import rollout_ssd
 from rollout_ssd.gpu.graphs import compile_mode
 from rollout_ssd.gpu.inductor import autotune
-from rollout_ssd.models import attention, bf16_rows, few_attention, layer_kernel
-from rollout_ssd.models.cpu_backend import cpu_kind, cpu_model, f32_rows_kernel_rows, packed_bf16
+from rollout_ssd.kernels import bf16_rows, few_attention, layer_kernel
+from rollout_ssd.kernels.cpu import cpu_kind, cpu_model
+from rollout_ssd.models import attention
+from rollout_ssd.models.cpu_backend import f32_rows_kernel_rows, layer_kernel_rows, packed_bf16
 from rollout_ssd.models.decoder import Decoder
+from rollout_ssd.models.disk_cache import cache_root
 from rollout_ssd.runner import ModelRunner
 from rollout_ssd.ssd.chooser import Chooser
 
@@ -65,8 +68,6 @@ def cache_directory(setting: Union[bool, str]) -> Optional[Path]:
     if setting is True:
         if os.environ.get("ROLLOUT_SSD_RULE_CACHE", "1") == "0":
             return None
-        from rollout_ssd.models.loader import cache_root
-
         return cache_root() / "rule"
     return Path(setting)
 
@@ -100,7 +101,7 @@ def _cpu_kernels(model: Decoder) -> Optional[dict]:
     """Which kernels a CPU model's steps run on: a bf16 model's (cpu_backend.packed_linear: the bf16 rows
     kernel and whether compiled steps call it in C++, oneDNN's packed linear; the form its few-query
     attention takes: attention.SDPA_FEW_QUERIES, the few_attention kernel; the most tokens a step runs
-    through the one-call layer kernel, 0 where it does not run: layer_kernel.max_rows()), a float16 model's
+    through the one-call layer kernel, 0 where it does not run: layer_kernel_rows()), a float16 model's
     attention form, a float32 model's (the float32 rows kernel's most rows where it runs, 0 where not:
     cpu_backend.f32_rows_kernel_rows), an int4 draft's (csrc/int4_rows.c or torch's int4 kernel, the layer
     kernel); None for a GPU's: such a key neither asks for a kernel (its build) nor changes when one is
@@ -116,7 +117,7 @@ def _cpu_kernels(model: Decoder) -> Optional[dict]:
         return form if model.dtype == torch.float16 else None
     return {"bf16_rows": bf16_rows.available(), "bf16_rows_op_cpp": bf16_rows.op_in_cpp(), "packed_bf16": packed_bf16(),
             "few_attention": few_attention.available(),
-            "layer_kernel": layer_kernel.max_rows() if layer_kernel.available() else 0, **form}
+            "layer_kernel": layer_kernel_rows() if layer_kernel.available() else 0, **form}
 
 
 class RuleCache:

@@ -31,7 +31,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from rollout_ssd.models import kernel_build
+from rollout_ssd.kernels import kernel_build
+from rollout_ssd.kernels.cpu import cpu_flags
 
 SOURCE = Path(__file__).with_name("csrc") / "f32_rows.c"
 ISA_FLAGS = {"avx512": ("-mavx512f", "-mfma"), "avx2": ("-mavx2", "-mfma")}
@@ -41,8 +42,6 @@ TILES = {"avx512": 64, "avx2": 32}  # outputs per tile of the packed layout (csr
 
 def isa() -> Optional[str]:
     """The vector extension the kernel is built for on this CPU: "avx512", "avx2" (with FMA), or None."""
-    from rollout_ssd.models.cpu_backend import cpu_flags
-
     flags = cpu_flags()
     if "avx512f" in flags:
         return "avx512"
@@ -138,7 +137,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.T
 
 
 def warm(weights) -> None:
-    """Make the kernel's copies of (weight, bias, WeightCopies, name) entries (cpu_backend.linear_weights)
+    """Make the kernel's copies of (weight, bias, WeightCopies, name) entries (models/weight_copies.py, `linear_weights`)
     now, as `cpu_backend.linear` would on a first verify (a fresh engine's first call would pay them)."""
     with torch.inference_mode():
         for w, _, copies, name in weights:

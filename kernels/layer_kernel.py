@@ -6,14 +6,16 @@ each a PyTorch dispatch of microseconds for a few thousand floats of work (bench
 eager step's time goes"). One C call per layer runs the same arithmetic, in the eager decoder's rounding
 order, with the linears on the rows kernel and the attention on the few-query kernel: the step then costs
 about what reading its weights costs. A verify of a few tokens takes it too (the rows kernel at K + 1
-rows costs less than oneDNN's linear plus the small ops' dispatch), up to `max_rows()` tokens a step.
+rows costs less than oneDNN's linear plus the small ops' dispatch), up to `cpu_backend.layer_kernel_rows()`
+tokens a step.
 
 It serves a `Decoder.forward` of a bf16 CPU model with frozen weights where the tokens see their row's
 cache causally (decode, verify, prefill of a few tokens; not a tree step's mask or spans), the rows hold
 consecutive slots, and the rows kernel runs on this CPU (AVX-512: `bf16_rows.variant()`), outside
-compiled steps. Otherwise the decoder's layers run as modules, as before. Built on first use with the C
-compiler found, from the rows kernel's and the attention kernel's sources included into this one
-(kernel_build.py); $ROLLOUT_SSD_LAYER_KERNEL=0 or `set_enabled(False)` turns it off.
+compiled steps: the CPU backend decides (rollout_ssd/models/cpu_backend.py, `one_call_layers`). Otherwise
+the decoder's layers run as modules, as before. Built on first use with the C compiler found, from the
+rows kernel's and the attention kernel's sources included into this one (kernel_build.py);
+$ROLLOUT_SSD_LAYER_KERNEL=0 or `set_enabled(False)` turns it off.
 
 Its results are the eager layers' except where two float32 computations of one value (a sum of squares
 in another order, SiLU's exponential, a polynomial against PyTorch's) cross a bf16 rounding boundary differently;
@@ -32,31 +34,13 @@ from typing import Optional
 
 import torch
 
-from rollout_ssd.models import bf16_rows, cpu_backend, few_attention, kernel_build, quant
+from rollout_ssd.kernels import bf16_rows, few_attention, int4_rows, kernel_build
 
 SOURCE = Path(__file__).with_name("csrc") / "decoder_layer.c"
-INCLUDED = (bf16_rows.SOURCE, few_attention.SOURCE, SOURCE.with_name("int4_rows.c"))  # in the library's key
+INCLUDED = (bf16_rows.SOURCE, few_attention.SOURCE, int4_rows.SOURCE)  # in the library's key
 MAX_HEAD_DIM = few_attention.MAX_HEAD_DIM
 
-# The most tokens a step runs through the layer kernel: the rows kernel's own limit (`cpu_backend.rows_kernel_rows()`),
-# at most LIMIT, unless measured otherwise for a CPU kind in MAX_ROWS where the rows kernel takes LIMIT rows
-# (bench/layer_kernel.py; bench/RESULTS.md, "One C call a layer" and "The layer kernel's arithmetic on every
-# thread"). Whatever the rows, a row of more than LIMIT tokens is a prefill: its attention is SDPA's flash kernel's
-# work (few_attention.c's scratch grows with queries x keys), and so are the linears of an int4 draft's step past
-# LIMIT tokens (int4_rows.c is tested up to LIMIT rows).
-LIMIT = 32
-MAX_ROWS: dict = {"amx": 256}  # AMX's tiles: decode and verify steps of up to 256 rows beat the module layers
-
-
-def max_rows() -> int:
-    """The most tokens (rows x tokens per row) a step runs through the layer kernel on this CPU."""
-    if _MAX_ROWS is not None:
-        return _MAX_ROWS
-    rows = min(cpu_backend.rows_kernel_rows(), LIMIT)
-    return MAX_ROWS.get(cpu_backend.cpu_kind(), rows) if rows == LIMIT else rows
-
-
-_MAX_ROWS: Optional[int] = None  # an override (bench/layer_kernel.py forces the kernel past its limit this way)
+LIMIT = 32  # the most tokens of one row, and of an int4 draft's step, the kernel takes (cpu_backend.py says why)
 
 
 def build(kind: str, compiler: Optional[str] = None) -> Path:
@@ -106,7 +90,7 @@ INT4_KINDS = ("amx", "dot")  # the builds with int4_rows.c (it needs avx512_bf16
 
 
 def int4_available() -> bool:
-    """Whether int4 drafts' linears (quant.ROWS_GROUP groups) run on csrc/int4_rows.c here: its library
+    """Whether int4 drafts' linears (int4_rows.GROUP groups) run on csrc/int4_rows.c here: its library
     builds, whether or not the layer kernel is on (`set_enabled` switches the layers' form, not the
     draft's quantization)."""
     return bf16_rows.available() and _kernel() is not None and _kernel().int4 is not None
@@ -114,11 +98,11 @@ def int4_available() -> bool:
 
 def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int,
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [m, k] @ w.T (+ bias) -> bf16 [m, n] for w given as `quant.pack_int4_rows(w)`; needs `int4_available()`."""
+    """x [m, k] @ w.T (+ bias) -> bf16 [m, n] for w given as `int4_rows.pack(w)`; needs `int4_available()`."""
     m, k = x.shape
     kernel_build.check_operands("int4_rows", x, codes, n, bias)
     if codes.dtype != torch.uint8 or tuple(codes.shape[1:]) != (k // 2, 64) or codes.shape[0] * 64 < n \
-            or k % quant.ROWS_GROUP or tuple(scales.shape) != (codes.shape[0], k // quant.ROWS_GROUP, 2, 64) \
+            or k % int4_rows.GROUP or tuple(scales.shape) != (codes.shape[0], k // int4_rows.GROUP, 2, 64) \
             or scales.dtype != torch.bfloat16 or not (codes.is_contiguous() and scales.is_contiguous()) \
             or not scales.is_cpu:
         raise ValueError(f"layer_kernel.int4_linear: x {tuple(x.shape)} does not fit codes {tuple(codes.shape)} "
@@ -132,36 +116,6 @@ def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: i
                       out.data_ptr(), torch.get_num_threads()):
         raise MemoryError(f"layer_kernel.int4_linear: no memory for the group sums of x {tuple(x.shape)}")
     return out
-
-
-def _model_fits(model) -> bool:
-    """Whether the model's layers are ones the kernel computes: bf16 on the CPU, frozen, bf16 linears or an int4
-    draft's in int4_rows.c's groups, SDPA's cache layout, shapes the kernels take."""
-    from rollout_ssd.models.attention import SDPABackend
-
-    cfg, layer = model.cfg, model.layers[0] if len(model.layers) else None
-    if layer is not None and layer.row_major.int4_group is not None:  # an int4 draft: int4_rows.c's groups
-        g = quant.ROWS_GROUP
-        if layer.row_major.int4_group != g or not int4_available() \
-                or any(k % g for k in (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)):
-            return False
-    return (layer is not None and model.dtype == torch.bfloat16 and model.embed.is_cpu
-            and isinstance(model.backend, SDPABackend)
-            and not layer.wqkv.requires_grad and 0 < cfg.head_dim <= MAX_HEAD_DIM and cfg.head_dim % 2 == 0
-            and cfg.hidden_size % 2 == 0 and cfg.intermediate_size % 2 == 0)
-
-
-def serves(model, batch, cache, contiguous: bool) -> bool:
-    """Whether `forward_layers` takes this forward (see the module's docstring)."""
-    b, t = batch.tokens.shape
-    if torch.compiler.is_compiling() or not contiguous or batch.mask is not None or batch.spans is not None \
-            or not available() or t > (_MAX_ROWS or LIMIT) or b * t > max_rows() or not few_attention.available() \
-            or not _model_fits(model) or (b * t > LIMIT and model.layers[0].row_major.int4_group is not None):
-        return False  # (available() first: loading the rows kernel may lower the row limit, bf16_rows._kernel)
-    kc = cache.keys[0]
-    return kc.is_cpu and kc.dtype in (torch.bfloat16, torch.float32) and kc.dim() == 4 and kc.stride(3) == 1 \
-        and all(k.stride() == kc.stride() and v.stride() == kc.stride() and k.dtype == kc.dtype
-                for k, v in zip(cache.keys, cache.values))
 
 
 def causal_mask(starts: list[int], num_new: list[int], t: int, length: int) -> Optional[torch.Tensor]:
@@ -205,7 +159,7 @@ def _layer_args(model) -> list[tuple]:
         if copies.int4_group is None:
             packed = [copies.get(name + ":rows", getattr(layer, name), bf16_rows.pack) for name in names]
         else:  # an int4 draft: codes and their scales
-            packed, sc = zip(*(quant.rows_copy(copies, name, getattr(layer, name)) for name in names))
+            packed, sc = zip(*(copies.get(name + ":int4rows", getattr(layer, name), int4_rows.pack) for name in names))
             scales = (ctypes.c_void_p * 4)(*(t.data_ptr() for t in sc))
         bias = None if layer.bqkv is None else copies.get("bqkv:float32", layer.bqkv,
                                                           lambda w: w.detach().float().contiguous())
@@ -218,8 +172,8 @@ def _layer_args(model) -> list[tuple]:
 
 def forward_layers(model, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, batch, cache,
                    length: int) -> torch.Tensor:
-    """The model's layers over x [B, T, H] (bf16, updated in place and returned) for a forward `serves`
-    took: cos, signed_sin [B, T, 1, D] (Decoder.rope_tables), the rows' slots consecutive from
+    """The model's layers over x [B, T, H] (bf16, updated in place and returned) for a forward
+    `cpu_backend.one_call_layers` took: cos, signed_sin [B, T, 1, D] (Decoder.rope_tables), the rows' slots consecutive from
     batch.slots[0], `length` the longest row's cache length after the step. Writes the new keys and values."""
     cfg = model.cfg
     b, t, hidden = x.shape

@@ -27,7 +27,7 @@ How it is built: with the C compiler found (`cc`, or $CC) on first use, into the
 (kernel_build.py), keyed by the source and the flags, and loaded with ctypes; its
 OpenMP threads are torch's own (the library links libgomp.so.1, which torch has loaded). Where the CPU
 has no AVX-512 (F, BW, VL), no compiler is found, or the build or the load fails, `available()` is False
-and cpu_backend keeps oneDNN's packed kernels (or F.linear). $ROLLOUT_SSD_BF16_ROWS=0 (or
+and the CPU backend keeps oneDNN's packed kernels (or F.linear). $ROLLOUT_SSD_BF16_ROWS=0 (or
 `set_enabled(False)`) turns it off.
 
 Inside a compiled step the kernel is the op `rollout_ssd::bf16_rows`, which inductor calls as an opaque
@@ -50,7 +50,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from rollout_ssd.models import kernel_build
+from rollout_ssd.kernels import kernel_build
+from rollout_ssd.kernels.cpu import cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,6 @@ OP_TORCH = "2.10"  # the stable ABI version csrc/bf16_rows_op.cpp targets (TORCH
 
 
 def cpu_has_avx512_bf16() -> bool:
-    from rollout_ssd.models.cpu_backend import cpu_flags
-
     return {"avx512_bf16", "avx512bw", "avx512vl"} <= cpu_flags()
 
 
@@ -75,8 +74,6 @@ def variant() -> Optional[str]:
     code elsewhere), "dot" (avx512_bf16's dot instruction), "widened" (AVX-512 F/BW/VL with FMA, no bf16
     units: bf16 widened to float32 in registers), or None (no AVX-512: the kernel is off). Where the amx
     build fails (a compiler without AMX intrinsics) the dot one runs: `loaded_variant`."""
-    from rollout_ssd.models.cpu_backend import cpu_flags
-
     if cpu_has_avx512_bf16():
         return "amx" if {"amx_bf16", "amx_tile"} <= cpu_flags() else "dot"
     return "widened" if {"avx512f", "avx512bw", "avx512vl", "fma"} <= cpu_flags() else None
@@ -141,6 +138,7 @@ def load(kind: str):
 @functools.cache
 def _kernel():
     """The loaded C function, or None where the kernel cannot run here (logged once)."""
+    global ROWS_CAP
     kinds = {"amx": ["amx", "dot"]}.get(variant(), [variant()])
     for kind in kinds:
         then = "the dot build next" if kind != kinds[-1] else "bf16 linears keep oneDNN's kernels"
@@ -149,12 +147,10 @@ def _kernel():
             continue
         _LOADED[:] = [kind]
         if variant() == "amx" and not (kind == "amx" and fn.amx_ready()):  # the dot code runs on AMX
-            from rollout_ssd.models import cpu_backend  # (imported here: cpu_backend imports this module)
-
             log.warning("bf16 rows kernel: AMX's tiles are not used here (%s); bf16 linears of %d+ rows stay "
                         "on oneDNN", "the dot build loaded" if kind != "amx" else "the OS did not lend them",
                         DOT_ON_AMX_MAX_ROWS + 1)
-            cpu_backend._ROWS_KERNEL_ROWS = min(cpu_backend._ROWS_KERNEL_ROWS, DOT_ON_AMX_MAX_ROWS)
+            ROWS_CAP = DOT_ON_AMX_MAX_ROWS
         _op_library()
         return fn
     return None
@@ -162,6 +158,7 @@ def _kernel():
 
 _LOADED: list = []  # the kind `_kernel` loaded
 DOT_ON_AMX_MAX_ROWS = 2  # the dot build's code on AMX loses to oneDNN from 3 rows (bench/RESULTS.md, "A fifth CPU kind")
+ROWS_CAP: Optional[int] = None  # set to it where that code runs on AMX (cpu_backend.rows_kernel_rows reads it)
 
 
 def amx_tiles() -> bool:

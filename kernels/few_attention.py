@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from rollout_ssd.models import f32_rows, kernel_build
+from rollout_ssd.kernels import f32_rows, kernel_build
 
 SOURCE = Path(__file__).with_name("csrc") / "few_attention.c"
 ISA_FLAGS = {"avx512": ("-mavx512f", "-mfma"), "avx2": ("-mavx2", "-mfma")}  # (its intrinsics: AVX-512F only)
