@@ -102,3 +102,14 @@ def test_fifo_admission_queues_the_small_request_behind(target):
     waves of 4), so the big request has ended by the time the small one does."""
     big_running, small, _ = _race(target, "fifo")
     assert not big_running and len(small[0].token_ids) == 4
+
+
+def test_first_tokens_reach_the_listener_right_after_the_prefill(target):
+    """The first listener call of a request carries only its prefill's token per sequence (a client's
+    first token does not wait for the round's decode step)."""
+    seen = []
+    with RolloutEngine(target, SpecConfig(method="ar"), EngineConfig(max_batch_size=4, max_model_len=64)) as engine:
+        request = engine.submit(["1+2="], SamplingParams(n=3, max_new_tokens=6, ignore_eos=True),
+                                listener=lambda r, finished: seen.append(r.num_tokens))
+        request.result(timeout=60)
+    assert seen[0] == 3  # one token per sequence; before a decode step it would be 6
