@@ -8,7 +8,7 @@ weight-sync group) are applied between rounds, and every choice reports the vers
 under (control.py: pause/resume and the weight-update endpoints). Bad requests get HTTP 400 with
 OpenAI's error shape, `param` naming the field; the limits (limits.py: n, the context, the queue of
 sequences waiting for a slot, the body) are 400s and a full queue 429; while the server drains for a
-graceful stop, 503. Request bodies are parsed by hand (protocol.json_object) and documented in the
+graceful stop, 503. Request bodies are parsed by hand (limits.json_object) and documented in the
 OpenAPI schema (`/openapi.json`) by their pydantic models.
 """
 
@@ -28,7 +28,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 
 from rollout_ssd.serve.control import BODIES, control_routes
-from rollout_ssd.serve.limits import Drain, DrainMiddleware, Limits, check_queue, check_ranges, max_tokens_for
+from rollout_ssd.serve.limits import (
+    Drain,
+    DrainMiddleware,
+    Limits,
+    check_queue,
+    check_ranges,
+    json_object,
+    max_tokens_for,
+)
 from rollout_ssd.serve.metrics import prometheus_text
 from rollout_ssd.serve.protocol import (
     BadRequest,
@@ -37,7 +45,6 @@ from rollout_ssd.serve.protocol import (
     check_chat,
     check_completion,
     completion_prompts,
-    json_object,
     sampling_params,
 )
 from rollout_ssd.serve.render import Renderer, TextStream, new_id

@@ -13,7 +13,8 @@ from typing import Any, Optional
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict
 
-from rollout_ssd.serve.protocol import BadRequest, json_object
+from rollout_ssd.serve.limits import json_object
+from rollout_ssd.serve.protocol import BadRequest
 
 
 class DiskUpdate(BaseModel):

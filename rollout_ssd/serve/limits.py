@@ -105,6 +105,16 @@ def _encodable(text: str, field) -> None:
                          f"such as \\ud800)", field or "body") from None
 
 
+async def json_object(raw) -> dict:
+    """The request body as a JSON object under the server's limits (size, nesting, finite numbers,
+    encodable strings; `app.state.limits`, else the defaults); BadRequest naming the field otherwise."""
+    limits = getattr(raw.app.state, "limits", None) or Limits()
+    data = parse_body(await read_body(raw, limits.max_body_bytes))
+    if not isinstance(data, dict):
+        raise BadRequest("the body must be a JSON object", "body")
+    return data
+
+
 async def read_body(raw, max_bytes: int) -> bytes:
     """The request body, refused (400 naming `body`) once it is over max_bytes, without reading the rest."""
     declared = raw.headers.get("content-length")

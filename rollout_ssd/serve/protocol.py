@@ -1,5 +1,5 @@
 """Request schemas of the OpenAI / vLLM-compatible endpoints, and their mapping onto `SamplingParams`
-(plus `json_object`, the one parser of a JSON request body).
+(bodies are parsed by limits.json_object).
 
 Fields follow OpenAI's completions and chat APIs plus the vLLM extras that RL clients send (`top_k`,
 `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `return_token_ids`,
@@ -156,15 +156,3 @@ def check_chat(req: ChatRequest) -> None:
                          "tool_choice='none' is honoured", "tool_choice")
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise BadRequest("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
-
-
-async def json_object(raw) -> dict:
-    """The request body as a JSON object under the server's limits (limits.py: size, nesting, finite
-    numbers, encodable strings); BadRequest naming the field otherwise."""
-    from rollout_ssd.serve.limits import Limits, parse_body, read_body
-
-    limits = getattr(raw.app.state, "limits", None) or Limits()
-    data = parse_body(await read_body(raw, limits.max_body_bytes))
-    if not isinstance(data, dict):
-        raise BadRequest("the body must be a JSON object", "body")
-    return data
