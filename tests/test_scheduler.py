@@ -368,7 +368,8 @@ def test_close_ends_live_requests_and_the_thread(models, paused):
     thread alive; the closed engine refuses submit and sample."""
     target, _ = models
     before = _scheduler_threads()
-    engine = _engine(target, batch=2)
+    engine = RolloutEngine(target, SpecConfig(method="ar"),  # fifo: the second request waits for a slot
+                           EngineConfig(max_batch_size=2, max_model_len=MAX_LEN, admission="fifo"))
     params = SamplingParams(temperature=0.0, max_new_tokens=100, ignore_eos=True)
     gates = [Gate(lambda req: False), Gate(lambda req: False)]
     running = engine.submit([[5, 6], [7, 8]], params, listener=gates[0])
