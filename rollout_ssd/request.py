@@ -29,8 +29,9 @@ class Request:
     """One submitted call: its sequences, its progress listener, and how its caller waits.
 
     listener(request, finished) is called on the driver thread after every round in which the
-    request's sequences emitted tokens, and once more with finished=True when it ends (done,
-    cancelled or failed). It must be quick and must not call back into the engine."""
+    request's sequences emitted tokens (and right after the prefill that admits some of them, so a
+    first token is not held for the round's decode step), and once more with finished=True when it
+    ends (done, cancelled or failed). It must be quick and must not call back into the engine."""
 
     def __init__(self, seqs: list[Sequence], listener: Optional[Callable] = None, bar=None,
                  build: Optional[Callable] = None):
