@@ -198,7 +198,8 @@ def _soak_request(url: str, args, g: int, prompts, rng: random.Random) -> dict:
                         got = choices.setdefault(c["index"], {"index": c["index"], "token_ids": []})
                         got["token_ids"] += c.get("token_ids") or []
                         got["finish_reason"] = c.get("finish_reason") or got.get("finish_reason")
-        rec["choices"] = list(choices.values())  # streamed chunks carry no weight_version: counts only
+                        got.update({k: c[k] for k in ("weight_version", "weight_versions") if k in c})
+        rec["choices"] = list(choices.values())  # a choice's last chunk carries its weight_version
         return rec
     resp = httpx.post(url + "/v1/completions", json=body, timeout=args.request_timeout)
     rec["status"] = resp.status_code
@@ -228,7 +229,7 @@ def _check_soak(records: list[dict], refs, n_prompts_tokens: int) -> dict:
         if [c["index"] for c in choices] != list(range(len(rec["picks"]) * n)):
             out["incomplete"] += 1
             continue
-        if rec["body"]["temperature"] != 0 or rec["body"]["stream"]:
+        if rec["body"]["temperature"] != 0:
             continue
         for c in choices:
             if "weight_versions" in c:

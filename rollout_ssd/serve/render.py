@@ -115,6 +115,8 @@ class Renderer:
             choice["token_ids"] = token_ids
             if rollout is not None:
                 choice["prompt_token_ids"] = rollout.prompt_token_ids
+        if rollout is not None:  # the last chunk of a choice: the version(s) its tokens were sampled under
+            choice.update(weight_version=rollout.weight_version, **_versions(rollout))
         return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": self.model,
                 "choices": [choice]}
 
@@ -126,6 +128,8 @@ class Renderer:
                   "logprobs": self.chat_logprobs(token_ids, logprobs, as_ids) if with_logprobs else None}
         if return_ids:
             choice["token_ids"] = token_ids
+        if rollout is not None:
+            choice.update(weight_version=rollout.weight_version, **_versions(rollout))
         return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model,
                 "choices": [choice]}
 
