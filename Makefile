@@ -4,7 +4,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-LINTED := rollout_ssd tests bench recipes
+LINTED := rollout_ssd kernels tests bench recipes
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -15,7 +15,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps 'trl>=1.16'
 	touch $(STAMP)
 
-.PHONY: install run lint test test-fast bench
+# Every kept benchmark's --quick smoke run (bench/README.md), one after another: the benches still run.
+BENCH_QUICK := bench_ar bench_compile bench_gemm bench_sd bench_ssd two_core_cap fresh_engines eval_draft bench_grpo \
+	bench_sync bench_serve bf16_rows_kernel f32_rows_kernel layer_kernel dtype_auto
+
+.PHONY: install run lint test test-fast bench bench-quick
 install: $(STAMP)
 
 run: $(STAMP)
@@ -32,3 +36,7 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/bench_ar.py
+
+bench-quick: $(STAMP)
+	for b in $(BENCH_QUICK); do echo "== $$b"; $(PY) bench/$$b.py --quick || exit 1; done
+	$(PY) bench/gpu_check.py --cpu-smoke

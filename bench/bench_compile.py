@@ -19,7 +19,7 @@ timed prompt (through the compiled engine's `update_weights`; the engines share 
 on them), alternating between the loaded weights and a perturbed copy, as an RL job's updates would: the
 cost of following an update is then in the rates, and the graphs compiled during the timed calls are
 counted (a live engine should compile none). --compile may also name "onednn": an eager engine with the
-bf16 rows kernel off (models/bf16_rows.py), the eager bf16 linears of before that kernel, side by side.
+bf16 rows kernel off (kernels/bf16_rows.py), the eager bf16 linears of before that kernel, side by side.
 Table, then one JSON line.
 
     .venv/bin/python bench/bench_compile.py --methods ar,sd
@@ -48,8 +48,8 @@ add_repo_to_path()
 
 from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig  # noqa: E402
 from rollout_ssd import metric_names as names  # noqa: E402
-from rollout_ssd.models import bf16_rows  # noqa: E402
-from rollout_ssd.models.cpu_backend import describe_auto_dtype  # noqa: E402
+from rollout_ssd.kernels import bf16_rows  # noqa: E402
+from rollout_ssd.models.cpu_dtype import describe_auto_dtype  # noqa: E402
 
 
 def first_difference(a: list[int], b: list[int]):
@@ -193,7 +193,11 @@ def main(argv=None):
                    help="the other engines, comma-separated: frozen, live (compiled), onednn (eager, bf16 rows kernel off)")
     p.add_argument("--update-every-call", action="store_true",
                    help="new target weights before every timed prompt (alternating loaded / drifted)")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run with no compile: AR, one prompt, 8 tokens, eager against the rows kernel off")
     args = p.parse_args(argv)
+    if args.quick:
+        args.methods, args.prompts, args.new_tokens, args.compile, args.no_hf = "ar", 1, 8, "onednn", True
     modes = args.compile.split(",")
     if not modes or any(m not in COMPILED for m in modes):
         p.error(f"--compile takes frozen, live and/or onednn, got {args.compile!r}")

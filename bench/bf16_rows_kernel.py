@@ -1,4 +1,4 @@
-"""The bf16 rows kernel (rollout_ssd/models/bf16_rows.py) against oneDNN's packed linear and against the
+"""The bf16 rows kernel (kernels/bf16_rows.py) against oneDNN's packed linear and against the
 float32 linears a float32 model runs, per row count (issue 15, part 2: a verify of K + 1 tokens should
 cost about one decode step; dtype "auto" should pick the faster dtype). One pass runs the 121 linears of
 SmolLM2-135M's shapes (30 layers x qkv, o, gate_up, down, and the 49k-row head: 269 MB of random bf16
@@ -26,7 +26,8 @@ add_repo_to_path()
 
 from probe_gemv_in_graph import weights  # noqa: E402  (SmolLM2-135M's 121 linears, random bf16)
 
-from rollout_ssd.models import bf16_rows, cpu_backend  # noqa: E402
+from rollout_ssd.kernels import bf16_rows  # noqa: E402
+from rollout_ssd.models import cpu_backend  # noqa: E402
 from rollout_ssd.models.weight_copies import WeightCopies  # noqa: E402
 
 
@@ -45,8 +46,13 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--no-onednn", action="store_true", help="leave oneDNN's packed bf16 linear out")
+    p.add_argument("--quick", action="store_true", help="a seconds-long smoke run: 1 and 4 rows, one thread, 2 layers")
     args = p.parse_args(argv)
+    if args.quick:
+        args.rows, args.threads, args.layers, args.repeats = "1,4", "1", 2, 3
     if not bf16_rows.available():
+        if args.quick:  # a smoke run on a CPU without the kernel: nothing to time, not a failure
+            return print("the bf16 rows kernel does not run here (no AVX-512, or no C compiler)")
         raise SystemExit("the bf16 rows kernel does not run here (no AVX-512, or no C compiler)")
     ws = weights(args.layers)
     nbytes = sum(w.numel() for w in ws) * 2

@@ -25,6 +25,16 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("ROLLOUT_SSD_RULE_CACHE", "0")
 
 
+# The main job's prompts until issue 50 (96 new tokens, greedy): the "demo" workload of fresh_engines.py, which
+# RESULTS' figures for it were measured on. The main job itself (rollout_ssd/demo.py) now asks for longer answers.
+MAIN_JOB_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences what a neural network is.",
+    "Tom has 3 apples and buys 5 more. How many apples does he have?",
+]
+
+
 def add_repo_to_path() -> None:
     """Let `python bench/x.py` import `rollout_ssd` from this checkout without installing it."""
     if str(REPO_ROOT) not in sys.path:

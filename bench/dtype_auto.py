@@ -24,7 +24,7 @@ import torch
 common.add_repo_to_path()
 
 from rollout_ssd.kv_cache import KVCache  # noqa: E402
-from rollout_ssd.models import cpu_backend  # noqa: E402
+from rollout_ssd.models import cpu_backend, cpu_dtype  # noqa: E402
 from rollout_ssd.models.attention import cache_dtype  # noqa: E402
 from rollout_ssd.models.loader import load_pretrained  # noqa: E402
 from rollout_ssd.runner import ModelRunner  # noqa: E402
@@ -102,12 +102,12 @@ def main(argv=None) -> dict:
                     row[f"{key}_{name.removeprefix('bfloat16+')}_over_f32"] = med[name][key] / f32
             rows.append(row)
     common.print_table(rows)
-    auto = cpu_backend.auto_dtype()
+    auto = cpu_dtype.auto_dtype()
     verdict = {key: sum(r[f"{key}_bf16_over_f32"] < 1 for r in rows) / len(rows) for key in ("prefill", "decode", "verify")}
-    print(f"CPU kind {cpu_backend.cpu_kind()}; dtype auto = {auto} ({cpu_backend.describe_auto_dtype()}); "
+    print(f"CPU kind {cpu_backend.cpu_kind()}; dtype auto = {auto} ({cpu_dtype.describe_auto_dtype()}); "
           f"share of rows where bf16 was faster: {verdict}")
     result = {"bench": "dtype_auto", "cpu_kind": cpu_backend.cpu_kind(), "auto": str(auto),
-              "auto_reason": cpu_backend.describe_auto_dtype(), "bf16_cache_picked": picked,
+              "auto_reason": cpu_dtype.describe_auto_dtype(), "bf16_cache_picked": picked,
               "prompt_len": args.prompt_len, "k": args.k,
               "repeats": args.repeats, "rows": rows, "bf16_faster_share": verdict, "machine": common.machine_note()}
     common.print_json_line(result)

@@ -1,4 +1,4 @@
-"""The float32 rows kernel (rollout_ssd/models/f32_rows.py) against MKL's forms, and the engines with it
+"""The float32 rows kernel (kernels/f32_rows.py) against MKL's forms, and the engines with it
 on and off, side by side in one process.
 
 Part "linears": SmolLM2-135M's 30 layers of linears plus its LM head (random weights of its shapes),
@@ -33,7 +33,7 @@ from common import add_repo_to_path, bench_prompts, load_default_pair, machine_n
 
 add_repo_to_path()
 from rollout_ssd import RolloutEngine, SpecConfig  # noqa: E402
-from rollout_ssd.models import f32_rows  # noqa: E402
+from rollout_ssd.kernels import f32_rows  # noqa: E402
 from rollout_ssd.models.loader import load_draft  # noqa: E402
 from rollout_ssd.runner import ModelRunner  # noqa: E402
 

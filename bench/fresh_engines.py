@@ -27,14 +27,14 @@ import argparse
 import tempfile
 import time
 
-from common import add_repo_to_path, bench_prompts, machine_note, print_json_line, print_table
+from common import MAIN_JOB_PROMPTS, add_repo_to_path, bench_prompts, machine_note, print_json_line, print_table
 
 add_repo_to_path()
 
 from rollout_ssd import RolloutEngine, SamplingParams, SpecConfig  # noqa: E402
 from rollout_ssd import metric_names as names  # noqa: E402
-from rollout_ssd.cli import DEMO_PROMPTS  # noqa: E402
-from rollout_ssd.models.cpu_backend import cpu_kind, describe_auto_dtype  # noqa: E402
+from rollout_ssd.kernels.cpu import cpu_kind  # noqa: E402
+from rollout_ssd.models.cpu_dtype import describe_auto_dtype  # noqa: E402
 
 WORKLOADS = ("demo", "batch1", "grpo", "grpo128")
 SSD_ROUND_FIELDS = ("batch", "strategy", "cold", "emitted", "seconds", "verify_seconds", "wait_seconds", "paths", "fanout")
@@ -44,7 +44,7 @@ def workload(name: str, tokenizer, new_tokens: int = 0):
     """(list of prompt batches, one sample() call each; SamplingParams); `new_tokens` (demo only) other
     than the workload's 96."""
     if name == "demo":
-        return [DEMO_PROMPTS], SamplingParams(temperature=0.0, max_new_tokens=new_tokens or 96, seed=0, chat=True)
+        return [MAIN_JOB_PROMPTS], SamplingParams(temperature=0.0, max_new_tokens=new_tokens or 96, seed=0, chat=True)
     if name == "batch1":
         prompts = bench_prompts(tokenizer, "templates", 4)
         return [[p] for p in prompts], SamplingParams(temperature=0.0, max_new_tokens=96, seed=0)
@@ -61,7 +61,7 @@ def warm_kernel_cache() -> None:
     """Build (or find) this package's C kernels before anything is timed: they are built on first use,
     once per source version, and a build inside a timed call (seconds) is not what a fresh engine on a
     machine that ran the package before pays."""
-    from rollout_ssd.models import bf16_rows, few_attention, layer_kernel
+    from rollout_ssd.kernels import bf16_rows, few_attention, layer_kernel
 
     bf16_rows.available(), bf16_rows.op_in_cpp(), few_attention.available(), layer_kernel.available()
 
@@ -103,7 +103,11 @@ def main(argv=None):
     p.add_argument("--k", type=int, default=4, help="SD's and SSD's speculation length")
     p.add_argument("--ssd-rounds", action="store_true",
                    help="also list the SSD engine's rounds of SSD plans (batch, cold, seconds, wait, fan-out)")
+    p.add_argument("--quick", action="store_true", help="a smoke run: the demo workload once, 16 new tokens")
     args = p.parse_args(argv)
+    new_tokens = 16 if args.quick else 0
+    if args.quick:
+        args.workloads, args.repeats = "demo", 1
     names_ = [w for w in args.workloads.split(",") if w]
     warm_kernel_cache()
     ssd_rounds = []
@@ -115,7 +119,7 @@ def main(argv=None):
     for _ in range(args.repeats):
         for w in names_:
             for method in ("ar", "sd", "ssd"):
-                out = run(method, w, rule_cache=cache, draft=args.draft, k=args.k)
+                out = run(method, w, new_tokens, rule_cache=cache, draft=args.draft, k=args.k)
                 if args.ssd_rounds:
                     ssd_rounds += [{"workload": w, "round": i, **{k: r[k] for k in SSD_ROUND_FIELDS}}
                                    for i, r in enumerate(out["trace"]) if r["strategy"].startswith("ssd")]

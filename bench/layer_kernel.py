@@ -1,8 +1,8 @@
-"""The decoder layer kernel (rollout_ssd/models/layer_kernel.py) against the module layers, step by step
+"""The decoder layer kernel (kernels/layer_kernel.py) against the module layers, step by step
 (issue 15, part 2: a batch-1 step at the speed its weights are read; a verify of K + 1 tokens close to one
 decode step). One eager step of the default target (`runner.extend` after a prompt, then a rollback) of T
 tokens in one row, and of R rows of one token, with the kernel on and off in turns; medians in ms, the
-kernel's speedup, and its step in one-token kernel steps. The rows past `layer_kernel.max_rows()` show
+kernel's speedup, and its step in one-token kernel steps. The rows past `cpu_backend.layer_kernel_rows()` show
 where the module layers (oneDNN's linears on AMX) catch up, which is how `MAX_ROWS` is set per CPU kind.
 Table, then one JSON line.
 
@@ -17,7 +17,8 @@ import argparse
 import torch
 from common import load_default_pair, machine_note, median_seconds, print_json_line, print_table
 
-from rollout_ssd.models import cpu_backend, layer_kernel  # noqa: E402  (common put the repo on the path)
+from rollout_ssd.kernels import layer_kernel  # noqa: E402  (common put the repo on the path)
+from rollout_ssd.models import cpu_backend  # noqa: E402  (common put the repo on the path)
 from rollout_ssd.runner import ModelRunner  # noqa: E402
 
 
@@ -43,14 +44,19 @@ def main(argv=None):
     p.add_argument("--threads", default="2")
     p.add_argument("--prompt-len", type=int, default=150)
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--quick", action="store_true", help="a seconds-long smoke run: 1 and 4 tokens, 2 rows, 3 repeats")
     args = p.parse_args(argv)
+    if args.quick:
+        args.tokens, args.rows, args.repeats = "1,4", "2", 3
     if not layer_kernel.available():
+        if args.quick:  # a smoke run on a CPU without the kernel: nothing to time, not a failure
+            return print("the layer kernel does not run here (no AVX-512, or no C compiler)")
         raise SystemExit("the layer kernel does not run here (no AVX-512, or no C compiler)")
     target, _ = load_default_pair(dtype="auto")
     model = target.model
     if model.dtype != torch.bfloat16:
         raise SystemExit(f"dtype auto is {model.dtype} on this CPU: the layer kernel serves bf16 models")
-    limit = layer_kernel.max_rows()
+    limit = cpu_backend.layer_kernel_rows()
     shapes = [(1, int(t)) for t in args.tokens.split(",")] + [(int(r), 1) for r in args.rows.split(",")]
     out = []
     with torch.inference_mode():
@@ -63,9 +69,9 @@ def main(argv=None):
                     for on in (True, False):
                         layer_kernel.set_enabled(on)
                         if rows * tokens > limit:  # past the limit too, to show where the module layers catch up
-                            layer_kernel._MAX_ROWS = rows * tokens
+                            cpu_backend._LAYER_ROWS = rows * tokens
                         times[on].append(step_ms(model, rows, tokens, args.prompt_len, args.repeats))
-                        layer_kernel._MAX_ROWS = None
+                        cpu_backend._LAYER_ROWS = None
                 kernel_ms, modules_ms = min(times[True]), min(times[False])
                 one = kernel_ms if (rows, tokens) == (1, 1) else one
                 out.append({"threads": threads, "rows": rows, "tokens": tokens, "kernel ms": kernel_ms,

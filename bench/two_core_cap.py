@@ -53,7 +53,8 @@ from common import (
 
 add_repo_to_path()
 
-from rollout_ssd.models.cpu_backend import cpu_kind, describe_auto_dtype  # noqa: E402
+from rollout_ssd.kernels.cpu import cpu_kind  # noqa: E402
+from rollout_ssd.models.cpu_dtype import describe_auto_dtype  # noqa: E402
 from rollout_ssd.runner import ModelRunner  # noqa: E402
 from rollout_ssd.ssd.rule import expected_tokens_per_round  # noqa: E402
 

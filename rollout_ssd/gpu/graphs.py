@@ -250,7 +250,7 @@ def compile_mode(compiled) -> Optional[str]:
 
 def weights_key(modules: list) -> tuple:
     """Every parameter and buffer of these modules (a model's `modules()`, listed once: walking the module
-    tree on every step costs several times more, bench/weights_check_cost.py) by identity, storage and
+    tree on every step costs several times more: a probe in git history, bench/weights_check_cost.py) by identity, storage and
     version counter, and each module's children by identity: an in-place write or a replacement of a
     parameter or buffer, or a submodule replaced, changes it."""
     return tuple((id(t), t.data_ptr(), t._version) for m in modules

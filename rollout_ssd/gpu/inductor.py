@@ -18,8 +18,8 @@ def compile_options(t: int, mode: str = "frozen") -> dict:
     """inductor's options for a compiled CPU step of t tokens per row. Frozen: the weights constant-
     folded and packed once; for one token (decode) the GEMMs are also autotuned between ATen's (oneDNN)
     and inductor's C++ templates, which win there (`autotune`); a verify's few rows run faster on
-    oneDNN's packed kernels than on the templates, autotuning or not (bench/probe_compiled_step.py,
-    bench/RESULTS.md).
+    oneDNN's packed kernels than on the templates, autotuning or not (a probe of one compiled step, in
+    git history: bench/probe_compiled_step.py).
     Live: no freezing (the weights stay inputs) and no autotuning (the templates need frozen weights);
     a producer of more than 4 ops (an RMS norm, an embedding lookup) is computed once into a buffer where
     inductor would otherwise inline it into the one-row linears' reduction loops, once per output row."""

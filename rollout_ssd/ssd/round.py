@@ -308,7 +308,7 @@ class SSDDecode(DecodeStrategy):
 
     @property
     def trace(self) -> Optional[list[dict]]:
-        """Set to a list to get a record of each round (bench/trace_rule.py)."""
+        """Set to a list to get a record of each round (bench/probes/trace_rule.py)."""
         return self.telemetry.trace
 
     @trace.setter

@@ -1,5 +1,5 @@
 """Round telemetry for SSD: what one round measured, fed to the estimates, the fan-out planner, the
-engine's stats (`ssd/*` metrics) and, when asked for, a per-round trace (bench/trace_rule.py).
+engine's stats (`ssd/*` metrics) and, when asked for, a per-round trace (bench/probes/trace_rule.py).
 
 What is left out, and why:
   - a round of first rounds only (a generation's cold start) times nothing: it carries one-off costs
@@ -131,7 +131,7 @@ class RoundTelemetry:
         return state
 
     def record(self, plan: Plan, fanout: FanoutPlan, rnd: Chains, emitted: int, times: RoundTimes) -> None:
-        """Append the round to `trace`, when one is kept (its keys: bench/trace_rule.py)."""
+        """Append the round to `trace`, when one is kept (its keys: bench/probes/trace_rule.py)."""
         if self.trace is None:
             return
         state = self.stats.ssd_state
