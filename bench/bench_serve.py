@@ -103,7 +103,7 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="the seeded tiny pair (rollout_ssd.rl.tiny): a seconds-long smoke run")
     p.add_argument("--model", default="smollm2-135m-instruct", help="target: built-in name or checkpoint dir")
     p.add_argument("--draft", default="default", help="draft of sd / ssd: 'default', 'target-int4' or a checkpoint dir")
-    p.add_argument("--methods", default="ar,sd,ssd")
+    p.add_argument("--methods", default=None, help="default: ar,sd,ssd; --workload mixed / soak: sd")
     p.add_argument("--clients", default="1,4,16,64", help="numbers of concurrent clients")
     p.add_argument("--requests-per-client", type=int, default=4, help="R: requests each client sends in turn")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -129,6 +129,8 @@ def parse_args(argv=None):
         args.max_batch_size = args.max_batch_size or 16
     elif args.quick:
         args.tiny, args.clients, args.requests_per_client, args.max_tokens = True, "1,4", 2, 8
+    if args.methods is None:
+        args.methods = "ar,sd,ssd" if args.workload == "clients" else "sd"
     args.client_counts = [int(c) for c in args.clients.split(",")]
     args.method_list = [m.strip() for m in args.methods.split(",")]
     for m in args.method_list:
