@@ -33,6 +33,7 @@ from rollout_ssd.models.attention import SDPABackend, auto_attention, select_bac
 from rollout_ssd.runner import ModelRunner
 from rollout_ssd.ssd.tree import tree_spans
 from tests.support.attention_bound import attention_error_bound
+from tests.support.ran import assert_ran
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [[1, 2, 3], list(range(4, 24)), [6, 7]]  # the 20-token prompt's prefill goes through SDPA
@@ -81,6 +82,7 @@ def test_the_engine_asks_auto_for_captured_steps_for_the_target_alone(tmp_path, 
     from rollout_ssd import engine as engine_module
     from tests.support.models import tiny_pair
 
+    # ran-check: which backend each model is asked for at construction only; no engine samples
     asked = []
     monkeypatch.setattr(engine_module, "select_backend",
                         lambda name, device, static_steps=False: asked.append((name, static_steps)) or SDPABackend())
@@ -96,6 +98,7 @@ def test_the_engine_asks_auto_for_captured_steps_for_the_target_alone(tmp_path, 
 def test_engine_sets_each_models_backend(tmp_path, monkeypatch):
     from tests.support.models import tiny_pair
 
+    # ran-check: the backend set on each model at construction, and a refusal; no engine samples
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     target, draft = tiny_pair(tmp_path, vocab=48)
     engine = RolloutEngine(target, SpecConfig(method="sd", k=3), EngineConfig(max_batch_size=2, max_model_len=32,
@@ -228,6 +231,8 @@ def _sample_all(directory: Path, attention: str, device: str = "cpu") -> dict:
         try:
             assert type(target.model.backend).__name__ == ("TritonBackend" if attention == "triton" else "SDPABackend")
             out[name] = [(r.token_ids, r.logprobs) for r in engine.sample(PROMPTS, params)]
+            if method != "ar":  # SD verified proposals; SSD ran its rounds (the rule is off)
+                assert_ran(engine, {"sd": "spec", "ssd": "ssd"}[method])
         finally:
             engine.close()
     return out

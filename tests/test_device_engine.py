@@ -17,10 +17,12 @@ import pytest
 from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig
 from tests.support.fake_device import fake_device
 from tests.support.models import tiny_pair
+from tests.support.ran import assert_ran
 
 PROMPTS = [[1, 2, 3], [4, 5], [6]]
 CASES = [("ar", {}, False), ("sd", {}, True), ("ssd", {"worker": False, "strategy_rule": False}, False),
          ("ssd", {"worker": False, "strategy_rule": False}, True)]
+PLANS = {"sd": "spec", "ssd": "ssd"}  # what each engine proves it ran (tests.support.ran): SD verified proposals
 
 
 def _run(directory, method, spec, params, on_device: bool, draft_too: bool):
@@ -29,7 +31,10 @@ def _run(directory, method, spec, params, on_device: bool, draft_too: bool):
     if not on_device:
         engine = RolloutEngine(target, *config, draft=None if method == "ar" else draft)
         try:
-            return engine.sample(PROMPTS, params), None
+            out = engine.sample(PROMPTS, params)
+            if method != "ar":
+                assert_ran(engine, PLANS[method])
+            return out, None
         finally:
             engine.close()
     with fake_device() as device:
@@ -39,7 +44,10 @@ def _run(directory, method, spec, params, on_device: bool, draft_too: bool):
         engine = RolloutEngine(target, *config, draft=None if method == "ar" else draft)
         assert engine.runner.cache.keys[0].device.type == "meta"
         try:
-            return engine.sample(PROMPTS, params), device
+            out = engine.sample(PROMPTS, params)
+            if method != "ar":
+                assert_ran(engine, PLANS[method])
+            return out, device
         finally:
             engine.close()
 
@@ -72,6 +80,7 @@ def test_fake_device_raises_on_a_host_tensor_and_counts_reads():
 
 
 def test_from_pretrained_places_the_draft_and_names_bad_devices(tmp_path):
+    # ran-check: the draft's placement and refused devices only; the one engine built never samples
     tiny_pair(tmp_path, vocab=48)
     target, draft = str(tmp_path / "target"), str(tmp_path / "draft")
     engine = RolloutEngine.from_pretrained(target, draft=draft, spec=SpecConfig(method="ssd", k=3, worker=False),

@@ -25,6 +25,7 @@ from rollout_ssd.ssd.messages import UpdateDraftWeights
 from rollout_ssd.weight_sync import InProcessTransport, LearnerSync, Packet, SenderConfig, WeightReceiver
 from rollout_ssd.weight_sync.codec import encode_tensor, pack
 from tests.support.models import tiny_pair
+from tests.support.ran import assert_ran
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14]]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
@@ -84,6 +85,14 @@ def _wait(cond, seconds=30.0):
     assert cond()
 
 
+def _ran(engine, mode):
+    """The engine's mode really ran: SD verified accepted draft tokens; SSD served chains from its cache
+    (and, for "ssd-worker", from a worker process that never failed)."""
+    if mode == "sd":
+        return assert_ran(engine, "spec", accepted=True)
+    return assert_ran(engine, "ssd", hits=True, worker=True if mode == "ssd-worker" else None)
+
+
 def _draft_params(engine):
     holder = engine.draft_sync.holder()
     return holder.draft_parameters()
@@ -116,11 +125,9 @@ def test_twenty_updates_through_learner_sync_bitwise_and_greedy_equals_ar(pair_d
             out = [r.token_ids for r in engine.sample(PROMPTS, GREEDY)]
             assert out == [r.token_ids for r in reference.sample(PROMPTS, GREEDY)]
     assert {"full", "delta"} <= kinds
-    m = engine.metrics()
+    m = _ran(engine, mode)
     assert m["sync/version"] == 20 and m["sync/draft_version"] == 20 and m["sync/draft_count"] == 20
     assert m["sync/draft_rejected"] == 0 and m.get("ssd/worker_failures", 0) == 0
-    if mode != "sd":
-        assert m["ssd/hits"] > 0
     if mode == "ssd-worker":  # the worker got deltas, not 20 full copies (4 of the 20 moved every weight)
         full = sum(t.numel() * t.element_size() for t in learner_draft.model.hf_parameters().values())
         assert engine.strategy.client.weight_bytes < 6 * full
@@ -165,7 +172,7 @@ def test_draft_update_mid_sample_applies_between_rounds_and_stays_exact(pair_dir
     _bitwise(_draft_params(engine), learner_draft.model.hf_parameters())
     if mode == "ssd-worker":
         assert engine.strategy.draft_digest() == weights_digest(learner_draft.model.hf_parameters())
-        assert engine.metrics()["ssd/worker_failures"] == 0
+    _ran(engine, mode)
     engine.close()
 
 
@@ -197,6 +204,7 @@ def test_bad_draft_updates_are_refused_and_the_engine_keeps_serving(pair_dir, ba
         engine.update_draft_weights(list(state.items()), version=version)
     assert engine.draft_version == 3 and weights_digest(_draft_params(engine)) == digest
     assert [r.token_ids for r in engine.sample(PROMPTS, GREEDY)] == before
+    _ran(engine, "ssd")
     engine.close()
 
 
@@ -214,6 +222,7 @@ def test_bad_transfer_through_the_receiver_is_rejected_and_counted(pair_dir):
     assert [r.token_ids for r in engine.sample(PROMPTS, GREEDY)] == before
     assert sync.sync_draft(draft.model, 2).acknowledged  # the next good one is applied
     _wait(lambda: engine.draft_version == 2)
+    _ran(engine, "sd")
     engine.close()
 
 
@@ -283,7 +292,7 @@ def test_worker_rejecting_an_update_falls_back_and_keeps_serving(pair_dir, monke
     assert engine.draft_version == 1 and engine.strategy.client.in_process
     _bitwise(_draft_params(engine), learner_draft.model.hf_parameters())
     assert [r.token_ids for r in engine.sample(PROMPTS, GREEDY)] == reference
-    assert engine.metrics()["ssd/worker_failures"] == 1
+    assert assert_ran(engine, "ssd", hits=True)["ssd/worker_failures"] == 1
     assert not engine.strategy.client.in_process  # restarted at the next admission, from the updated copy
     assert engine.strategy.draft_digest() == weights_digest(learner_draft.model.hf_parameters())
     engine.close()
@@ -324,6 +333,7 @@ def test_follow_lowers_kl_target_draft_vs_frozen(pair_dir):
     _wait(lambda: engine.draft_version == 1)
     _bitwise(_draft_params(engine), learner_draft.model.hf_parameters())
     assert [r.token_ids for r in engine.sample(PROMPTS, GREEDY)] == [r.token_ids for r in policy.sample(PROMPTS, GREEDY)]
+    _ran(engine, "sd")
     engine.close()
 
 
@@ -368,9 +378,15 @@ def _engine_process(store: str, pair_dir: str, out: str, versions: int):
     engine.attach_receiver(WeightReceiver(t_wire))
     engine.attach_draft_receiver(WeightReceiver(d_wire))
     _wait(lambda: engine.weight_version == versions and engine.draft_version == versions, 60)
+    greedy = [r.token_ids for r in engine.sample(PROMPTS, GREEDY)]
+    try:  # reported, not raised: the learner waits at the barrier below
+        _ran(engine, "ssd")
+        ran = None
+    except AssertionError as err:
+        ran = str(err)
     pathlib.Path(out).write_text(json.dumps({
         "target": weights_digest(engine.target.model.hf_parameters()), "draft": engine.strategy.draft_digest(),
-        "greedy": [r.token_ids for r in engine.sample(PROMPTS, GREEDY)]}))
+        "greedy": greedy, "ran": ran}))
     engine.close()
     dist.barrier(group=control)
     os._exit(0)  # the receiver threads are still blocked on their groups: nothing left to tear down
@@ -406,6 +422,7 @@ def test_learner_sync_over_gloo_reaches_an_engine_in_another_process(pair_dir, t
             child.kill()
             child.join(5)
     result = json.loads((tmp_path / "out.json").read_text())
+    assert result["ran"] is None, result["ran"]  # the engine's SSD path ran (tests.support.ran)
     assert result["target"] == weights_digest(learner_target.model.hf_parameters())
     assert result["draft"] == weights_digest(learner_draft.model.hf_parameters())
     assert result["greedy"] == [r.token_ids for r in _ar_reference(learner_target).sample(PROMPTS, GREEDY)]

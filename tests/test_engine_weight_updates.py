@@ -16,6 +16,7 @@ from transformers import LlamaForCausalLM
 from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig
 from rollout_ssd.weight_sync import InProcessTransport, SenderConfig, WeightReceiver, WeightSender
 from tests.support.models import tiny_model
+from tests.support.ran import assert_ran
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14]]
 
@@ -163,6 +164,8 @@ def test_update_during_sample_applies_between_rounds(setup, method):
 
     engine.strategy.step = step
     rollouts = engine.sample(PROMPTS, SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True))
+    if method == "sd":  # the target drafts for itself: SD verified proposals and accepted some
+        assert_ran(engine, "spec", accepted=True)
     hf_old = LlamaForCausalLM(hf.config)
     hf_old.load_state_dict(old)
     for prompt, r, split in zip(PROMPTS, rollouts, rounds["lens"]):

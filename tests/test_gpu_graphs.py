@@ -10,6 +10,7 @@ from rollout_ssd.gpu.graphs import BUCKETS, GraphedSteps, StaticStep, StepKey, b
 from rollout_ssd.models.loader import load_pretrained
 from rollout_ssd.runner import ModelRunner
 from tests.support.models import hf_config, randomize
+from tests.support.ran import assert_ran
 from tests.support.toolchain import needs_cxx
 
 
@@ -134,6 +135,8 @@ def test_engine_with_static_steps_gives_the_same_greedy_tokens(method, tmp_path)
         engine = RolloutEngine(target, spec, EngineConfig(max_batch_size=4, max_model_len=64, cuda_graphs=graphs),
                                draft=None if method == "ar" else draft)
         out[graphs] = [r.token_ids for r in engine.sample([[1, 2, 3], [4, 5]], params)]
+        if method != "ar":  # SD verified proposals; SSD ran its rounds (the rule is off)
+            assert_ran(engine, {"sd": "spec", "ssd": "ssd"}[method])
         used = engine.runner.static is not None and len(engine.runner.static.steps) > 0
         engine.close()
         assert used == graphs
@@ -469,6 +472,7 @@ def test_sd_engine_with_compiled_steps_gives_the_default_engines_greedy_tokens(t
         engine = RolloutEngine(target, SpecConfig(method="sd", k=3), EngineConfig(
             max_batch_size=4, max_model_len=64, compile=compiled), draft=draft)
         out[compiled] = [r.token_ids for r in engine.sample([[1, 2, 3], [4, 5]], params)]
+        assert_ran(engine, "spec", accepted=True)
         draft_static = engine.strategy.speculator.runner.static  # the draft's steps, compiled with the target's
         for static in (engine.runner.static, draft_static):
             steps = static.steps.values() if static is not None else []
@@ -506,6 +510,8 @@ def test_live_compiled_sd_engine_follows_update_weights_with_the_eager_engines_t
             assert all(runner.static.steps[key] is step for key, step in before_steps.items())
             assert _graphs_per_step(before_steps) == before_graphs
         assert before[False] == before["live"] and after[False] == after["live"]
+        for engine in engines.values():
+            assert_ran(engine, "spec", accepted=True)
         assert after[False] != before[False]  # the update changed what is generated
         assert all(step.mode == "live" for step in engines["live"].runner.static.steps.values())
     finally:

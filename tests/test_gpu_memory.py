@@ -102,6 +102,7 @@ def test_graphs_reserve_the_logits_of_the_padded_bucket(monkeypatch, pair):
 
 
 def test_sd_counts_the_draft_kv_on_the_same_device(monkeypatch, pair):
+    # ran-check: KV sizing only; the engines are built and closed, never sample
     target, draft = pair
     per_slot = (_per_token(target.model) + _per_token(draft.model)) * 64
     reserve = _reserve(target.model, draft.model, rows=8)
@@ -110,6 +111,7 @@ def test_sd_counts_the_draft_kv_on_the_same_device(monkeypatch, pair):
 
 
 def test_ssd_counts_the_draft_sides_kv_and_tree(monkeypatch, pair):
+    # ran-check: KV sizing only; the engines are built and closed, never sample
     from rollout_ssd.ssd.draft_server import draft_max_len
 
     target, draft = pair
@@ -149,6 +151,7 @@ def test_the_default_batch_on_a_cpu_is_128_as_far_as_half_the_memory_available_h
     memory available holds their KV at max_model_len (the target's, and SD's or SSD's draft's), else as many as it
     holds (at least one); unknown memory: CPU_MAX_BATCH; an explicit max_batch_size stands whatever the
     memory."""
+    # ran-check: KV sizing only; the engines are built and closed, never sample
     from rollout_ssd.config import CPU_KV_MEMORY_SHARE, CPU_MAX_BATCH
     from rollout_ssd.models import cpu_memory
     from rollout_ssd.ssd.draft_server import draft_max_len

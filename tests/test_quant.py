@@ -17,6 +17,7 @@ from rollout_ssd.models.loader import load_pretrained
 from rollout_ssd.models.weight_copies import WeightCopies
 from rollout_ssd.ssd.draft_server import weights_digest
 from tests.support.models import tiny_model
+from tests.support.ran import assert_ran
 from tests.support.toolchain import needs_cxx
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="this torch build has no CPU int4 kernels")
@@ -207,15 +208,17 @@ def test_sd_and_ssd_with_the_int4_draft_give_ar_greedy_tokens_across_an_update(p
     extra = {"strategy_rule": False} if method == "ssd" else {}
     ar = RolloutEngine(loaded, SpecConfig(method="ar"), cfg)
     spec = RolloutEngine(loaded, SpecConfig(method=method, k=3, **extra), cfg, draft=draft)
+    # SD verified proposals; SSD ran its rounds with the draft side in a worker process that never failed
+    ran = {"plan": "spec"} if method == "sd" else {"plan": "ssd", "worker": True}
     try:
         assert _greedy(spec) == _greedy(ar)
-        accepted = spec.metrics(reset=True)["spec/accept_rate"]
+        accepted = assert_ran(spec, **ran)["spec/accept_rate"]
+        spec.metrics(reset=True)
         assert accepted > 0.5  # the target's own weights: most drafted tokens are accepted
         spec.update_weights(_perturbed(loaded, 3), version=1)  # the engines share the target: both see it
         assert _greedy(spec) == _greedy(ar)
-        assert spec.metrics()["spec/accept_rate"] > 0.5  # the draft took the new weights
+        assert assert_ran(spec, **ran)["spec/accept_rate"] > 0.5  # the draft took the new weights
         if method == "ssd":  # the worker holds the target's new weights (asked of the worker itself)
-            assert spec.metrics()["ssd/rounds"] > 0
             assert spec.draft_sync.digest() == weights_digest(loaded.model.hf_parameters())
     finally:
         spec.close()
@@ -239,6 +242,7 @@ def test_compiled_sd_with_the_int4_draft_gives_the_eager_engines_tokens_across_a
             first = _greedy(engine, n=10)
             engine.update_weights(update, version=1)
             out[compiled] = (first, _greedy(engine, n=10))
+            assert_ran(engine, "spec", accepted=True)
             static = engine.strategy.speculator.runner.static
             assert any(step.compiled is not None for step in (static.steps.values() if static else [])) == bool(compiled)
             assert not (static and static.retired)  # no compile failed over to eager
@@ -262,7 +266,7 @@ def test_from_pretrained_makes_the_int4_draft_of_the_default_target():
         prompts = [engine.target.tokenizer("The capital of France is").input_ids, [1, 2, 3, 4]]
         params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
         assert [r.token_ids for r in engine.sample(prompts, params)] == [r.token_ids for r in ar.sample(prompts, params)]
-        assert engine.metrics()["spec/accept_rate"] > 0.5
+        assert assert_ran(engine, "spec")["spec/accept_rate"] > 0.5
     finally:
         engine.close()
         ar.close()
@@ -291,6 +295,7 @@ def test_sd_drops_the_int4_drafts_kv_when_the_target_changes_mid_call(pair):
         assert engine.strategy._shares_target
         rollouts = engine.sample(PROMPTS, SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
         assert dropped == [True] and all(r.extra["weight_versions"] == [0, 1] for r in rollouts)
+        assert_ran(engine, "spec", accepted=True)
         own = RolloutEngine(loaded, SpecConfig(method="sd", k=2), cfg, draft=load_pretrained(loaded.source, dtype="float32"))
         assert not own.strategy._shares_target  # its own tensors: the target's updates leave its KV be
         own.close()

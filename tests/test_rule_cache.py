@@ -18,6 +18,7 @@ from rollout_ssd.ssd.config import SSDConfig
 from rollout_ssd.ssd.estimates import EstimatesConfig, LiveEstimates, _BatchTimes
 from rollout_ssd.ssd.rule_cache import RuleCache, cache_directory, engine_key
 from tests.support.models import tiny_pair
+from tests.support.ran import assert_ran
 from tests.test_ssd_helpers import ssd_engine
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
@@ -220,7 +221,7 @@ def test_second_engine_decides_at_once_from_the_first_ones_measurements(pair48, 
     params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)  # more rounds than exploring takes
 
     def run(k: int):
-        """The tokens, and (batch, plan, decided) of each round at 3 sequences."""
+        """The tokens, (batch, plan, decided) of each round at 3 sequences, and the engine's metrics."""
         engine = ssd_engine(target, draft, 3, k=k, strategy_rule=True, rule_cache=str(tmp_path))
         chooser, plans = engine.strategy.chooser, []
         choose = chooser.choose
@@ -231,11 +232,14 @@ def test_second_engine_decides_at_once_from_the_first_ones_measurements(pair48, 
 
         chooser.choose = recording
         tokens = [r.token_ids for r in engine.sample(PROMPTS, params)]
+        metrics = engine.metrics()
         engine.close()
-        return tokens, [p for p in plans if p[0] == 3]
+        return tokens, [p for p in plans if p[0] == 3], metrics
 
     runs = [run(k) for k in (3, 3, 2)]
-    (tokens1, first), (tokens2, second), (_, third) = runs
+    (tokens1, first, explored), (tokens2, second, _), (_, third, _) = runs
+    assert_ran(explored, "sd")  # engine 1 measured SD and SSD rounds: the times engine 2 decides from
+    assert_ran(explored, "ssd")
     assert [p.label for _, p, _ in first[:2]] == ["ar", "ar"] and not first[0][2]  # exploring: not decided
     assert second[0][2], "the second engine explored instead of deciding from the cache"
     assert {p.label for _, p, _ in second} == {"ar"}  # the first engine's choice at 3 sequences, kept

@@ -28,6 +28,7 @@ from rollout_ssd.models.loader import load_pretrained
 from rollout_ssd.request import RequestCancelled
 from rollout_ssd.rl.tasks import ALPHABET
 from rollout_ssd.rl.tiny import build_tiny_pair
+from tests.support.ran import assert_ran
 
 THREAD = "rollout-ssd-scheduler"
 MAX_LEN = 128
@@ -62,6 +63,13 @@ def _method_engine(models, method: str, batch: int = 16) -> RolloutEngine:
     if method == "ar":
         return _engine(target, batch=batch)
     return _engine(target, "sd", draft=target if method == "sd-self" else draft, batch=batch)
+
+
+def _ran(engine: RolloutEngine, method: str) -> None:
+    """An "sd" or "sd-self" engine verified proposals and accepted some of them (tests.support.ran); "ar":
+    nothing to check. Before the engine closes."""
+    if method != "ar":
+        assert_ran(engine, "spec", accepted=True)
 
 
 def _assert_same(got, ref) -> None:
@@ -171,6 +179,7 @@ def test_requests_from_threads_join_the_running_batch(models, method):
             gate.release.set()
         results = [r.result(timeout=60) for r in submitted]
         _assert_idle(engine)
+        _ran(engine, method)
     assert alone_rounds >= 1 and all(ids == {first.id} for ids, _, _ in rounds[:alone_rounds])
     joined_ids, joined_size, _ = rounds[alone_rounds]
     assert joined_ids == {r.id for r in submitted}, "the submitted requests must join the next round"
@@ -207,6 +216,7 @@ def test_finished_sequences_leave_no_holes_in_the_running_slots(models, method):
         engine.resume()
         results = [r.result(timeout=60) for r in submitted]
         _assert_idle(engine)
+        _ran(engine, method)
     assert len(set(map(len, slots))) > 2, "the batch must shrink as requests finish"
     assert all(round_slots == list(range(len(round_slots))) for round_slots in slots), slots
     assert moved  # sequences were moved down into freed slots
@@ -249,6 +259,7 @@ def test_cancel_frees_slots_at_the_next_round(models, method):
         with pytest.raises(RequestCancelled):
             doomed.result(timeout=1)
         _assert_idle(engine)
+        _ran(engine, method)
         num_slots = engine.runner.cache.num_slots
     assert doomed.id in rounds[cancelled_at - 1][0]
     ids, size, free = rounds[cancelled_at]
@@ -472,6 +483,7 @@ def test_stop_strings_cut_exactly(models, method, temperature):
     with _method_engine(models, method) as engine:
         lengths = _record_lengths(engine)
         free = engine.sample(STOP_PROMPTS, params)
+        _ran(engine, method)
     with _engine(target) as ar:
         free_ar = ar.sample(STOP_PROMPTS, params)
     if temperature == 0:
