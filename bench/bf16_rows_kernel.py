@@ -24,7 +24,6 @@ from common import add_repo_to_path, machine_note, median, print_json_line, prin
 
 add_repo_to_path()
 
-from probe_gemv_in_graph import weights  # noqa: E402  (SmolLM2-135M's 121 linears, random bf16)
 
 from rollout_ssd.kernels import bf16_rows  # noqa: E402
 from rollout_ssd.models import cpu_backend  # noqa: E402
@@ -35,6 +34,16 @@ def timed(fn, clock) -> float:
     t0 = clock()
     fn()
     return clock() - t0
+
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M's layer linears, [out, in]
+
+
+def weights(layers: int, seed: int = 0) -> list[torch.Tensor]:
+    """SmolLM2-135M's linears, random bf16: `layers` layers' four, then the LM head."""
+    gen = torch.Generator().manual_seed(seed)
+    out = [torch.randn(n, k, generator=gen).to(torch.bfloat16) * 0.05 for _ in range(layers) for n, k in SHAPES]
+    return out + [torch.randn(49152, 576, generator=gen).to(torch.bfloat16) * 0.05]
 
 
 def main(argv=None):
