@@ -67,6 +67,25 @@ def _summary(m: dict) -> str:
     return ", ".join(f"{k}={m[k]!r}" for k in keys if k in m) or "no speculation metrics at all"
 
 
+def served(before: dict, after: dict) -> dict:
+    """What a server ran between two reads of its `/metrics` (parsed to {sample name: value}), in
+    engine.metrics()'s names, for `assert_ran`: vLLM's speculation counters give the proposals and
+    acceptance (`spec/accept_rate` here is accepted / proposed: positive exactly when some draft token was
+    accepted), `rollout_ssd:ssd_strategy_rounds` the plans. A module's server serves several tests, so a
+    test reads the counters before its requests and checks the difference."""
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    drafts, proposed = delta("vllm:spec_decode_num_drafts_total"), delta("vllm:spec_decode_num_draft_tokens_total")
+    out = {"spec/proposed_per_round": proposed / drafts if drafts else 0.0,
+           "spec/accept_rate": delta("vllm:spec_decode_num_accepted_tokens_total") / proposed if proposed else 0.0}
+    prefix = 'rollout_ssd:ssd_strategy_rounds_total{"strategy": "'
+    rounds = {k[len(prefix):-2]: delta(k) for k in after if k.startswith(prefix)}
+    if rounds:
+        out["ssd/strategy_rounds"] = {plan: n for plan, n in rounds.items() if n}
+    return out
+
+
 def assert_ran(source, plan: str, *, hits: Optional[bool] = None, misses: Optional[bool] = None,
                accepted: Optional[bool] = None, worker: Optional[bool] = None) -> dict:
     """Assert that `plan` ran on `source` (a RolloutEngine, or a dict of its metrics taken before any
