@@ -140,6 +140,26 @@ def test_full_queue_is_429_with_retry_after(sd_server):
     assert sd_server.post("/v1/completions", {"prompt": "hi", "max_tokens": 3}).status_code == 200
 
 
+@pytest.mark.slow
+def test_a_small_request_is_not_queued_behind_a_large_one(sd_server):
+    """The issue's head-of-line case at the largest request this server queues: 6 sequences of 60 tokens on 2
+    KV slots (one reserved for newcomers). A one-line greedy request sent meanwhile is answered while the
+    large one still runs (under fifo it would wait for all 6 sequences to have had a slot)."""
+    big = {}
+    thread = threading.Thread(target=lambda: big.update(r=sd_server.post("/v1/completions", {
+        "prompt": "hi", "n": 6, "max_tokens": 60, "ignore_eos": True, "temperature": 1.0})))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while sd_server.metrics()["vllm:num_requests_running"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        small = sd_server.post("/v1/completions", {"prompt": "hi", "max_tokens": 4, "temperature": 0})
+        assert small.status_code == 200 and thread.is_alive()
+    finally:
+        thread.join(120)
+    assert big["r"].status_code == 200 and len(big["r"].json()["choices"]) == 6
+
+
 def _children(pid: int) -> list:
     psutil = pytest.importorskip("psutil")
     return psutil.Process(pid).children(recursive=True)
