@@ -22,6 +22,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from tests.support.ran import assert_ran, served  # noqa: E402
 from tests.test_serve import Served  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -138,9 +139,11 @@ def test_every_endpoint_fuzzed_from_the_openapi_schema(fuzz_server):
     assert {p for p, *_ in ops} >= {"/v1/completions", "/v1/chat/completions", "/update_weights_from_disk",
                                     "/init_weight_transfer_engine", "/server_info", "/pause", "/metrics"}
     greedy = {"prompt": "1+2=", "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    counters = fuzz_server.metrics()
     before = fuzz_server.post("/v1/completions", greedy).json()["choices"][0]["token_ids"]
     for path, method, op in ops:
         _fuzz(fuzz_server, spec, path, method, op)
     assert fuzz_server.proc.poll() is None
     assert fuzz_server.post("/v1/completions", greedy).json()["choices"][0]["token_ids"] == before
     assert "Traceback" not in "".join(fuzz_server.log)
+    assert_ran(served(counters, fuzz_server.metrics()), "sd")

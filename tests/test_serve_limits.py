@@ -17,6 +17,7 @@ httpx = pytest.importorskip("httpx")
 
 from rollout_ssd.serve.limits import MAX_JSON_DEPTH, Limits, check_queue, max_tokens_for, parse_body  # noqa: E402
 from rollout_ssd.serve.protocol import BadRequest  # noqa: E402
+from tests.support.ran import assert_ran, served  # noqa: E402
 from tests.test_serve import Served  # noqa: E402
 
 
@@ -108,14 +109,17 @@ def test_hostile_requests_get_400_naming_the_field(sd_server):
     info = sd_server.http.get("/server_info").json()
     assert info["limits"]["max_n"] == 128 and info["limits"]["max_queued_seqs"] == 6
     assert info["admission"] == {"policy": "fair", "reserved_slots": 1, "kv_slots": 2}
+    before = sd_server.metrics()
     ok = sd_server.post("/v1/completions", {"prompt": "hi", "max_tokens": 60, "temperature": 0})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 60  # 2 + 60 <= 64 fits
+    assert_ran(served(before, sd_server.metrics()), "sd")  # the server that refused the rest speculates
 
 
 @pytest.mark.slow
 def test_full_queue_is_429_with_retry_after(sd_server):
     """Paused, three requests of 2 sequences fill the queue of 6: the next gets 429 with Retry-After;
     after resume all three finish and the retry is served."""
+    # ran-check: the queue's refusal is what is tested; the SD path is checked in the test above
     results = []
 
     def send():
@@ -145,7 +149,7 @@ def test_a_small_request_is_not_queued_behind_a_large_one(sd_server):
     """The issue's head-of-line case at the largest request this server queues: 6 sequences of 60 tokens on 2
     KV slots (one reserved for newcomers). A one-line greedy request sent meanwhile is answered while the
     large one still runs (under fifo it would wait for all 6 sequences to have had a slot)."""
-    big = {}
+    big, before = {}, sd_server.metrics()
     thread = threading.Thread(target=lambda: big.update(r=sd_server.post("/v1/completions", {
         "prompt": "hi", "n": 6, "max_tokens": 60, "ignore_eos": True, "temperature": 1.0})))
     thread.start()
@@ -158,6 +162,7 @@ def test_a_small_request_is_not_queued_behind_a_large_one(sd_server):
     finally:
         thread.join(120)
     assert big["r"].status_code == 200 and len(big["r"].json()["choices"]) == 6
+    assert_ran(served(before, sd_server.metrics()), "sd")
 
 
 def _children(pid: int) -> list:
