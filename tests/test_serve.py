@@ -22,6 +22,7 @@ pytest.importorskip("uvicorn")
 from rollout_ssd import RolloutEngine, SamplingParams, SpecConfig  # noqa: E402
 from rollout_ssd.rl.tasks import ALPHABET  # noqa: E402
 from rollout_ssd.rl.tiny import build_tiny_pair  # noqa: E402
+from tests.support.ran import assert_ran, served  # noqa: E402
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["What is 12+7?", "Tom has 3 apples.", "x"]
@@ -104,12 +105,14 @@ def _ids(engine, prompts):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_openai_completions_equal_engine_sample(sd_server, sd_engine, temperature):
     ids = _ids(sd_engine, PROMPTS)
+    before = sd_server.metrics()
     out = sd_server.client().completions.create(
         model="tiny", prompt=ids, n=3, max_tokens=12, temperature=temperature, logprobs=0, seed=5,
         extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True, "top_k": 0})
     ref = sd_engine.sample(ids, SamplingParams(n=3, temperature=temperature, max_new_tokens=12, seed=5))
+    assert_ran(served(before, sd_server.metrics()), "spec", accepted=True)  # the server's SD rounds
     assert len(out.choices) == len(ref) == 9
-    for choice, r in zip(out.choices, ref):  # prompt-major, like vLLM
+    for choice, r in zip(out.choices, ref, strict=True):  # prompt-major, like vLLM
         extra = choice.model_extra
         assert extra["token_ids"] == r.token_ids and extra["prompt_token_ids"] == r.prompt_token_ids
         assert choice.logprobs.token_logprobs == r.logprobs  # bitwise: JSON floats round-trip exactly
@@ -120,7 +123,7 @@ def test_openai_completions_equal_engine_sample(sd_server, sd_engine, temperatur
 
 
 def test_text_prompt_stop_string_and_streaming(sd_server, sd_engine):
-    client = sd_server.client()
+    client, before = sd_server.client(), sd_server.metrics()
     full = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=20, temperature=0)
     text = full.choices[0].text
     assert len(text) >= 6
@@ -135,12 +138,13 @@ def test_text_prompt_stop_string_and_streaming(sd_server, sd_engine):
     streamed_ids = [t for c in chunks for t in c.choices[0].model_extra.get("token_ids", [])]
     assert streamed_ids == sd_engine.sample([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=20))[0].token_ids
     assert chunks[-1].choices[0].finish_reason == "length"
+    assert_ran(served(before, sd_server.metrics()), "spec")
 
 
 def test_streamed_stop_strings_never_leak_while_siblings_run(sd_server):
     """n samples with a stop string: a sample that stops while its siblings still run must stream
     exactly its non-streamed text (cut before the stop string), never a piece of the stop string."""
-    client = sd_server.client()
+    client, before = sd_server.client(), sd_server.metrics()
     body = dict(model="tiny", prompt=PROMPTS[1], n=6, max_tokens=24, temperature=1.0, seed=11)
     free = [c.text for c in client.completions.create(**body).choices]
     # a character some samples hold early and others not at all, so samples end at different rounds
@@ -152,9 +156,11 @@ def test_streamed_stop_strings_never_leak_while_siblings_run(sd_server):
         for c in chunk.choices:
             streamed[c.index] += c.text
     assert streamed == [c.text for c in cut] == [t[:t.find(stop)] if stop in t else t for t in free]
+    assert_ran(served(before, sd_server.metrics()), "spec")  # stops landed inside SD rounds' runs
 
 
 def test_bad_requests_are_400_naming_the_field(sd_server):
+    # ran-check: request validation is tested; the one good request only shows the server still answers
     cases = [
         (None, b"{not json", "body"),
         ({"model": "other", "prompt": "x"}, None, "model"),
@@ -191,18 +197,20 @@ def test_sixteen_concurrent_clients_equal_alone(sd_server, sd_engine):
             "logprobs": 0, "return_token_ids": True}).json()
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    before = sd_server.metrics()
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    for (prompt, max_tokens, temperature, seed), body in zip(jobs, results):
+    assert_ran(served(before, sd_server.metrics()), "spec", accepted=True)
+    for (prompt, max_tokens, temperature, seed), body in zip(jobs, results, strict=True):
         ref = sd_engine.sample([prompt], SamplingParams(n=2, max_new_tokens=max_tokens, temperature=temperature,
                                                         seed=seed))
         # Tokens exactly. Rows batched with other requests may round differently in float32 (GEMM row
         # padding, reduction order), so logprobs agree to float32 rounding, not bitwise; a sampled token
         # could flip only if its uniform fell within ~1e-6 of a CDF boundary (odds < 1e-3 over this test).
         assert [c["token_ids"] for c in body["choices"]] == [r.token_ids for r in ref]
-        for choice, r in zip(body["choices"], ref):
+        for choice, r in zip(body["choices"], ref, strict=True):
             torch.testing.assert_close(torch.tensor(choice["logprobs"]["token_logprobs"]), torch.tensor(r.logprobs),
                                        rtol=0, atol=1e-5)
     m = sd_server.metrics()
@@ -251,6 +259,7 @@ def test_disconnect_frees_the_slot_and_others_are_unharmed(sd_server, sd_engine,
     ref = sd_engine.sample(["a"], SamplingParams(temperature=0, max_new_tokens=6))[0]
     assert other.json()["choices"][0]["token_ids"] == ref.token_ids
     m = sd_server.metrics()
+    assert_ran(served(before, m), "spec")  # the aborted request and the next ran SD rounds
     # generation tokens counted for the aborted request are fewer than it asked for
     assert m["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 16 * 240
 
@@ -267,8 +276,9 @@ def test_metrics_use_vllm_names_and_match_engine_counters(tiny_pair):
     with RolloutEngine.from_pretrained(str(target), draft=str(draft), spec=SpecConfig(method="sd", k=3),
                                        dtype="float32") as engine:
         engine.sample(["What is 12+7?"], SamplingParams(n=2, max_new_tokens=16, temperature=0))
-        ref = engine.metrics()
+        ref = assert_ran(engine, "spec", accepted=True)
         stats = engine.stats
+    assert_ran(served({}, m), "spec", accepted=True)
     assert m["vllm:spec_decode_num_draft_tokens_total"] == stats.proposed > 0
     assert m["vllm:spec_decode_num_accepted_tokens_total"] == stats.accepted
     assert m["vllm:spec_decode_num_drafts_total"] == stats.spec_rounds
@@ -398,10 +408,11 @@ def test_threads_and_memory_flat_over_200_requests(sd_server):
     body = {"prompt": "What is 2+2?", "max_tokens": 4, "temperature": 1.0}
     for _ in range(20):
         assert sd_server.post("/v1/completions", body).status_code == 200
-    threads, rss = proc.num_threads(), proc.memory_info().rss
+    threads, rss, before = proc.num_threads(), proc.memory_info().rss, sd_server.metrics()
     for i in range(200):
         resp = sd_server.post("/v1/completions", {**body, "seed": i, "stream": i % 4 == 0})
         assert resp.status_code == 200
+    assert_ran(served(before, sd_server.metrics()), "spec")  # the requests ran SD rounds
     assert proc.num_threads() <= threads + 2
     assert proc.memory_info().rss - rss < 64 * 2 ** 20  # a leak of one rollout per request would still be
     # far below this; it catches per-request growth of engines, threads' stacks or cached responses
@@ -423,7 +434,8 @@ def test_chat_on_the_default_model_equals_engine_sample():
     with RolloutEngine.from_pretrained("smollm2-135m-instruct", dtype="float32") as engine:
         ref = engine.sample(["What is the capital of France?"],
                             SamplingParams(n=2, temperature=0, max_new_tokens=16, chat=True))
-    for choice, r in zip(out.choices, ref):
+    assert len(out.choices) == len(ref) == 2
+    for choice, r in zip(out.choices, ref, strict=True):
         assert choice.model_extra["token_ids"] == r.token_ids
         assert [c.logprob for c in choice.logprobs.content] == r.logprobs
         assert choice.message.content == r.text
