@@ -90,6 +90,29 @@ def _add_plot_drift_parser(sub) -> None:
     p.set_defaults(func=plot_drift)
 
 
+def plot_run(args) -> int:
+    """`rollout-ssd plot-run`: one run's reward, KL, step time and acceptance as a PNG (rl/plots.py)."""
+    from rollout_ssd.rl.plots import plot_run as plot
+
+    try:
+        output = plot(args.run, args.output)
+    except ValueError as err:
+        print(f"rollout-ssd plot-run: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {output}")
+    return 0
+
+
+def _add_plot_run_parser(sub) -> None:
+    p = sub.add_parser("plot-run", help="plot one RL run: reward, KL to the initial policy, step time by phase "
+                                        "and by live batch, acceptance and hit rate by policy version",
+                       description="OUT is a run's tracking.out_dir (its metrics.jsonl and versions.jsonl) or a "
+                                   "metrics.jsonl file; no wandb needed.")
+    p.add_argument("run", metavar="OUT")
+    p.add_argument("--output", default=None, help="PNG to write (default: OUT/run.png)")
+    p.set_defaults(func=plot_run)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="rollout-ssd")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -107,6 +130,7 @@ def main(argv=None) -> int:
     p.set_defaults(func=demo)
     _add_generate_parser(sub)
     _add_plot_drift_parser(sub)
+    _add_plot_run_parser(sub)
     from rollout_ssd.serve.main import add_parser as add_serve_parser
 
     add_serve_parser(sub)

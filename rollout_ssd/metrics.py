@@ -11,13 +11,35 @@ Time: `rollout/tokens_per_s` = all tokens / wall time of sample() (prefill inclu
 `rollout/prefill_seconds` = the part of it spent admitting and prefilling; `rollout/decode_tokens_per_s`
 = tokens after each rollout's first / the rest of the time: the decode speed that speculation changes
 (and that `ssd/predicted_speedup` predicts, relative to AR's).
+
+Per live batch (`end_round`, called by the scheduler after every round, whatever the method): a round's
+seconds and tokens go to the bucket of its live batch (the sequences its decode step ran on; a round that
+only prefilled counts the sequences it admitted), `batch_bucket_label`: 1, 2-3, 4-7, 8-15, ... (the
+buckets ssd/plans.py keeps plan choices per), and the round to its plan (an SSD round's `Plan` label, else
+"ar" or "sd"; "prefill" for a round that only prefilled). The driver's bookkeeping between rounds and after
+the last one is added to the last round's bucket when `add_time` closes the call, so the buckets' seconds
+sum to `rollout/seconds` and their tokens to `rollout/tokens`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from rollout_ssd import metric_names as names
+
+
+def batch_bucket_label(live: int) -> str:
+    """The live-batch bucket of `live` sequences: "1", "2-3", "4-7", "8-15", ... (ssd/plans.py's
+    `batch_bucket`, bit_length, as a range)."""
+    if live < 1:
+        raise ValueError(f"a live batch has at least one sequence, got {live}")
+    low = 1 << (live.bit_length() - 1)
+    return "1" if low == 1 else f"{low}-{2 * low - 1}"
+
+
+def _bucket_low(label: str) -> int:
+    return int(label.split("-")[0])
 
 
 @dataclass
@@ -48,23 +70,54 @@ class EngineMetrics:
     ssd_worker_failures: int = 0
     ssd_strategy_rounds: dict = field(default_factory=dict)  # strategy -> batch rounds
     ssd_state: dict = field(default_factory=dict)  # latest ssd/fanout, T_p, T_b, b_star, ...
+    # per live batch (module docstring): bucket -> seconds, bucket -> tokens, (bucket, plan) -> rounds
+    batch_seconds: dict = field(default_factory=dict)
+    batch_tokens: dict = field(default_factory=dict)
+    batch_plan_rounds: dict = field(default_factory=dict)
+    _round_rows: int = 0  # the round in progress: its decode step's rows, prefilled rows and plan
+    _round_admitted: int = 0
+    _round_plan: Optional[str] = None
+    _open_seconds: float = 0.0  # rounds' seconds since the last add_time
+    _last_bucket: Optional[str] = None
 
     def add_time(self, seconds: float, tokens: int) -> None:
+        """One call's busy time and tokens; the part of it no round took goes to the last round's bucket."""
         self.seconds += seconds
         self.tokens += tokens
+        if self._last_bucket is not None:
+            self.batch_seconds[self._last_bucket] += seconds - self._open_seconds
+        self._open_seconds = 0.0
+
+    def end_round(self, seconds: float, tokens: int) -> None:
+        """One scheduler round ended: `seconds` (admission and prefill included) and the `tokens` it emitted
+        go to its live batch's bucket, one round to the bucket's plan (module docstring)."""
+        live = self._round_rows or self._round_admitted
+        plan = self._round_plan or ("prefill" if not self._round_rows else "ar")
+        self._round_rows, self._round_admitted, self._round_plan = 0, 0, None
+        self._open_seconds += seconds
+        if not live:  # nothing ran (every sequence cancelled): its time is the call's remainder
+            return
+        bucket = batch_bucket_label(live)
+        self.batch_seconds[bucket] = self.batch_seconds.get(bucket, 0.0) + seconds
+        self.batch_tokens[bucket] = self.batch_tokens.get(bucket, 0) + tokens
+        self.batch_plan_rounds[bucket, plan] = self.batch_plan_rounds.get((bucket, plan), 0) + 1
+        self._last_bucket = bucket
 
     def add_prefill(self, seconds: float, tokens: int) -> None:
         """Part of a later add_time: prefill time and the first tokens it sampled."""
         self.prefill_seconds += seconds
         self.prefill_tokens += tokens
+        self._round_admitted += tokens  # one first token per admitted sequence
 
     def add_rounds(self, rows: int, tokens: int) -> None:
         self.rounds += rows
         self.round_tokens += tokens
+        self._round_rows = rows
 
     def add_spec_round(self, proposed: list[int], accepted: list[int], rejected: list[bool], emitted: int,
                        draft_seconds: float, verify_seconds: float) -> None:
         self.add_rounds(len(proposed), emitted)
+        self._round_plan = self._round_plan or "sd"  # an SSD round's own plan label, if it came first
         self.spec_rounds += len(proposed)
         self.draft_seconds += draft_seconds
         self.verify_seconds += verify_seconds
@@ -88,6 +141,7 @@ class EngineMetrics:
 
     def add_ssd_round(self, strategy: str, rounds: int, hits: int, warm: int) -> None:
         self.ssd_strategy_rounds[strategy] = self.ssd_strategy_rounds.get(strategy, 0) + 1
+        self._round_plan = strategy
         self.ssd_rounds += rounds
         self.ssd_hits += hits
         self.ssd_warm += warm
@@ -110,6 +164,11 @@ class EngineMetrics:
         decode_seconds = self.seconds - self.prefill_seconds
         out[names.ROLLOUT_DECODE_TOKENS_PER_S] = (
             (self.tokens - self.prefill_tokens) / decode_seconds if decode_seconds > 0 else 0.0)
+        for bucket in sorted(self.batch_seconds, key=_bucket_low):
+            out[names.rollout_seconds_by_batch(bucket)] = self.batch_seconds[bucket]
+            out[names.rollout_tokens_by_batch(bucket)] = self.batch_tokens[bucket]
+        for (bucket, plan), rounds in sorted(self.batch_plan_rounds.items(), key=lambda kv: _bucket_low(kv[0][0])):
+            out[names.rollout_rounds_by_batch(bucket, plan)] = rounds
         if self.syncs:
             out.update({names.SYNC_BYTES: self.sync_bytes, names.SYNC_SECONDS: self.sync_seconds,
                         names.SYNC_COUNT: self.syncs})

@@ -201,7 +201,10 @@ class Scheduler:
                     self._drop_cancelled()
                     self.apply_updates(self.running)
                     continue
-                produced += self._round()
+                t0 = time.perf_counter()
+                emitted = self._round()
+                self._stats.end_round(time.perf_counter() - t0, emitted)  # per live batch (metrics.py)
+                produced += emitted
         except BaseException as err:
             with self._cond:
                 self._take_inbox()

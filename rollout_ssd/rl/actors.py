@@ -173,9 +173,10 @@ class LearnerWorker:
                 out.update({k.replace("sync/", "sync/draft_", 1): v for k, v in stats.as_metrics().items()})
         return out
 
-    def drift(self, rollouts: Sequence[dict], temperature: float, max_sequences: int = 16) -> dict:
-        """drift/kl_target_draft on (up to max_sequences of) the step's rollouts, under the current
-        policy and the current draft (the follower's copy, which the engine's draft equals)."""
+    def drift(self, rollouts: Sequence[dict], temperature: float, max_sequences: Optional[int] = None) -> dict:
+        """drift/kl_target_draft on the given rollouts (the first max_sequences of them; None: all; the
+        trainer passes its `drift_subset`), under the current policy and the current draft (the
+        follower's copy, which the engine's draft equals)."""
         if self.follower is None:
             return {}
         pairs = [(list(r["prompt_token_ids"]), list(r["token_ids"])) for r in rollouts if r["token_ids"]]

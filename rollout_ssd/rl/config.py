@@ -86,9 +86,12 @@ class TrackingConfig:
 @dataclass(frozen=True)
 class RLConfig:
     """A whole run. prompts_per_step prompts x sampling.n samples per step; steps policy updates.
-    drift_every: measure drift/kl_target_draft every N steps (0: never). eval_greedy: also log reward
-    of greedy rollouts every N steps (0: never). device / draft_device: where the rollout engine
-    runs its target and its draft (`RolloutEngine.from_pretrained`); the learner trains on the CPU."""
+    drift_every: measure drift/kl_target_draft every N steps (0: never); drift_max_rollouts: on at most
+    this many of the step's rollouts, drawn at random by (seed, step) (0: all of them). The defaults keep
+    the diagnostic a small share of a step (bench/bench_learner.py measures it; bench/RESULTS.md,
+    "Learner and diagnostics"). eval_greedy: also log reward of greedy rollouts every N steps (0: never).
+    device / draft_device: where the rollout engine runs its target and its draft
+    (`RolloutEngine.from_pretrained`); the learner trains on the CPU."""
 
     algorithm: str = "grpo"
     model: str = "smollm2-135m-instruct"
@@ -102,7 +105,8 @@ class RLConfig:
     prompts_per_step: int = 4
     steps: int = 30
     seed: int = 0
-    drift_every: int = 1
+    drift_every: int = 4
+    drift_max_rollouts: int = 2
     tiny: bool = False
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(n=4, temperature=1.0, max_new_tokens=64))
     spec: SpecConfig = field(default_factory=lambda: SpecConfig(method="ssd"))
@@ -115,8 +119,10 @@ class RLConfig:
 
     def __post_init__(self):
         require_positive_ints(self, ("dataset_size", "prompts_per_step", "steps"), label="config")
-        if not isinstance(self.drift_every, int) or self.drift_every < 0:
-            raise ValueError(f"drift_every must be an integer >= 0, got {self.drift_every!r}")
+        for name in ("drift_every", "drift_max_rollouts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if not isinstance(self.task_options, dict):
             raise ValueError(f"task_options must be a mapping, got {type(self.task_options).__name__}")
         from rollout_ssd.rl.tasks import get_task

@@ -1,7 +1,15 @@
 """The policy learner: per-token logprobs of rollouts under the policy, and GRPO / PPO updates.
 
-The learner trains our own Decoder in float32 (its parameters carry the HF names the engine and weight
-sync use, so `named_tensors()` goes straight to `LearnerSync`). One `step(batch)` is one policy version.
+The learner trains our own Decoder with float32 master weights (its parameters carry the HF names the
+engine and weight sync use, so `named_tensors()` goes straight to `LearnerSync`); its forwards run under
+bf16 autocast where the machine has bf16 matmul units (`LearnerConfig.autocast`, precision.py). One
+`step(batch)` is one policy version.
+
+`learner/kl_initial`: KL(pi_theta || pi_initial) before the step's update, estimated (k3, losses.kl_penalty)
+on the step's tokens (sampled from the policy): the learner's own logprobs against a frozen copy of the
+initial policy's. The copy is the KL reference too (kl_coef > 0), whose logprobs then come for free;
+otherwise it scores `kl_initial_rollouts` of the step's rollouts, evenly spaced (0: not estimated), and
+`time/kl_initial_s` is what that pass cost.
 
 GRPO: advantages are group-normalised rewards (n samples per prompt), broadcast over each completion's
 tokens; the loss is the clipped surrogate with ratio = pi_theta / pi_old.
@@ -21,16 +29,18 @@ behaviour law is a point mass, which its softmax logprobs do not describe).
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
 
+from rollout_ssd import metric_names as names
 from rollout_ssd.config import require_positive_ints
 from rollout_ssd.draft.drift import token_mult_prob_error
 from rollout_ssd.models.decoder import Decoder
-from rollout_ssd.rl import losses
+from rollout_ssd.rl import losses, precision
 from rollout_ssd.rl.optim import OptimConfig, make_trainer
 
 ALGORITHMS = ("grpo", "ppo")
@@ -45,7 +55,8 @@ class LearnerConfig:
     kl_coef: weight of a k3 KL-to-reference term (GRPO: in the loss; PPO: in the token rewards; 0 keeps
     no reference copy). scale_rewards: GRPO divides by the group's std (False: Dr.GRPO). epochs /
     minibatches: passes over the step's rollouts and optimizer steps per pass. micro_batch: rows per
-    forward. gamma / lam / value_clip / vf_coef: PPO."""
+    forward. gamma / lam / value_clip / vf_coef: PPO. autocast: "auto" | "bf16" | "off" (precision.py).
+    kl_initial_rollouts: rollouts per step `learner/kl_initial` is estimated on (module docstring; 0: off)."""
 
     algorithm: str = "grpo"
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -62,6 +73,8 @@ class LearnerConfig:
     lam: float = 0.95
     value_clip: float = 0.2
     vf_coef: float = 0.5
+    autocast: str = "auto"
+    kl_initial_rollouts: int = 8
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
@@ -71,6 +84,11 @@ class LearnerConfig:
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"LearnerConfig.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
         require_positive_ints(self, ("epochs", "minibatches", "micro_batch"))
+        if self.autocast not in precision.AUTOCAST_MODES:
+            raise ValueError(f"LearnerConfig.autocast must be one of {precision.AUTOCAST_MODES}, got {self.autocast!r}")
+        if isinstance(self.kl_initial_rollouts, bool) or not isinstance(self.kl_initial_rollouts, int) \
+                or self.kl_initial_rollouts < 0:
+            raise ValueError(f"LearnerConfig.kl_initial_rollouts must be an integer >= 0, got {self.kl_initial_rollouts!r}")
         for name in ("clip_low", "clip_high", "kl_coef", "value_clip", "vf_coef"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"LearnerConfig.{name} must be >= 0, got {getattr(self, name)!r}")
@@ -120,9 +138,10 @@ class Learner:
 
     def __init__(self, model: Decoder, config: LearnerConfig = LearnerConfig()):
         if model.dtype != torch.float32:
-            raise ValueError(f"the learner trains in float32, got a {model.dtype} model")
+            raise ValueError(f"the learner keeps float32 master weights, got a {model.dtype} model")
         self.model = model
         self.config = config
+        self.autocast_dtype = precision.resolve_autocast(config.autocast, model.embed.device)
         self.version = 0
         params = list(dict.fromkeys(p for p in model.parameters()))
         with torch.no_grad():
@@ -138,8 +157,8 @@ class Learner:
             nn.init.zeros_(self.value_head.weight)
             nn.init.zeros_(self.value_head.bias)
             params += list(self.value_head.parameters())
-        self.reference: Optional[Decoder] = None
-        if config.kl_coef > 0:
+        self.reference: Optional[Decoder] = None  # the initial policy, frozen (KL reference, kl_initial)
+        if config.kl_coef > 0 or config.kl_initial_rollouts > 0:
             self.reference = copy.deepcopy(model).requires_grad_(False)
         self._params = params
         self._trainer = None
@@ -160,16 +179,17 @@ class Learner:
         tokens = torch.zeros(len(inputs), width, dtype=torch.long)
         for b, x in enumerate(inputs):
             tokens[b, :len(x)] = torch.tensor(x)
-        hidden = model.forward_train(tokens)  # [B, L, H]; causal, so padding never reaches a real row
+        with precision.autocast(self.autocast_dtype, model.embed.device):
+            hidden = model.forward_train(tokens)  # [B, L, H]; causal, so padding never reaches a real row
+            picked = [hidden[b, len(p) - 1:len(p) - 1 + len(c)] for b, (p, c) in enumerate(zip(prompts, completions))]
+            flat = torch.cat(picked)  # [N, H]
+            logits = model.logits(flat).float() / (temperature if temperature > 0 else 1.0)
         t_max = max(len(c) for c in completions)
-        picked = [hidden[b, len(p) - 1:len(p) - 1 + len(c)] for b, (p, c) in enumerate(zip(prompts, completions))]
-        flat = torch.cat(picked)  # [N, H]
-        logits = model.logits(flat) / (temperature if temperature > 0 else 1.0)
         target = torch.tensor([t for c in completions for t in c], dtype=torch.long)
         flat_logp = torch.log_softmax(logits, dim=-1).gather(-1, target[:, None])[:, 0]  # [N]
-        logp = flat.new_zeros(len(completions), t_max)
-        value = flat.new_zeros(len(completions), t_max) if values else None
-        flat_value = self.value_head(flat.detach())[:, 0] if values else None
+        logp = logits.new_zeros(len(completions), t_max)  # float32, as the logits
+        value = logits.new_zeros(len(completions), t_max) if values else None
+        flat_value = self.value_head(flat.detach().float())[:, 0] if values else None
         start = 0
         for b, c in enumerate(completions):
             logp[b, :len(c)] = flat_logp[start:start + len(c)]
@@ -187,12 +207,14 @@ class Learner:
         return self._score(batch, model or self.model)[0]
 
     @torch.no_grad()
-    def _score(self, batch: RolloutBatch, model: Decoder, values: bool = False):
+    def _score(self, batch: RolloutBatch, model: Decoder, values: bool = False, only: Optional[list] = None):
         """One no-grad pass: per-token logprobs [B, T] and, when asked, the value head's values [B, T]
-        (else None); T = the longest completion (at least 1), zeros past each row's end."""
+        (else None); T = the longest completion (at least 1), zeros past each row's end and in the rows
+        not in `only` (default: every row)."""
         shape = (len(batch.completions), max(1, max(len(c) for c in batch.completions)))
         logp, value = torch.zeros(shape), torch.zeros(shape) if values else None
-        for rows in self._chunks([i for i, c in enumerate(batch.completions) if c]):
+        scored = range(len(batch.completions)) if only is None else only
+        for rows in self._chunks([i for i in scored if batch.completions[i]]):
             lp, v = self._forward(model, [batch.prompts[i] for i in rows], [batch.completions[i] for i in rows],
                                   batch.temperature, values=values)
             logp[rows, :lp.shape[1]] = lp
@@ -212,7 +234,8 @@ class Learner:
         use_rollout = cfg.old_logprobs == "rollout" or (cfg.old_logprobs == "auto" and batch.temperature > 0)
         old_logp = rollout_logp if use_rollout else learner_logp
         rewards = torch.tensor(batch.rewards, dtype=torch.float32)
-        ref_logp = self.logprobs(batch, self.reference) if self.reference is not None else None
+        ref_logp = self.logprobs(batch, self.reference) if cfg.kl_coef > 0 else None
+        kl_initial = self._kl_initial(batch, learner_logp, ref_logp, mask)
         returns = None
         if cfg.algorithm == "grpo":
             adv = losses.group_advantages(rewards, batch.group_size, scale=cfg.scale_rewards)[:, None] * mask
@@ -242,12 +265,27 @@ class Learner:
             "reward/std": float(rewards.std(unbiased=False)),
             "rollout/response_length": float(mask.sum(1).mean()),
             "learner/old_logprobs_from_rollout": float(use_rollout),
+            names.LEARNER_AUTOCAST: precision.label(self.autocast_dtype),
         })
+        out.update(kl_initial)
         if valid.any():
             out["mismatch/token_mult_prob_error"] = token_mult_prob_error(
                 [learner_logp[b, :len(c)].tolist() for b, c in enumerate(batch.completions) if c],
                 [batch.logprobs[b] for b, c in enumerate(batch.completions) if c])
         return out
+
+    def _kl_initial(self, batch: RolloutBatch, learner_logp, ref_logp, mask) -> dict:
+        """`learner/kl_initial` and `time/kl_initial_s` (module docstring); {} when not estimated."""
+        live = [i for i, c in enumerate(batch.completions) if c]
+        k = self.config.kl_initial_rollouts
+        if self.reference is None or not live or (ref_logp is None and k == 0):
+            return {}
+        t0 = time.perf_counter()
+        rows = live if ref_logp is not None or k >= len(live) else [live[j * len(live) // k] for j in range(k)]
+        if ref_logp is None:
+            ref_logp = self._score(batch, self.reference, only=rows)[0]
+        kl = losses.masked_mean(losses.kl_penalty(learner_logp[rows], ref_logp[rows], kind="k3"), mask[rows])
+        return {names.LEARNER_KL_INITIAL: float(kl), names.TIME_KL_INITIAL_S: time.perf_counter() - t0}
 
     def _update(self, batch, rows, mask, old_logp, adv, ref_logp, old_values, returns, stats) -> None:
         cfg = self.config

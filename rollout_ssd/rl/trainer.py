@@ -3,9 +3,12 @@
     rollouts (SSD, split across rollout actors) -> rewards -> learner update -> weight sync
     -> draft follow (+ its sync) -> drift telemetry -> metrics (wandb + JSONL)
 
-with the time of each phase measured by the driver. Prompts come from the task's `datasets` Dataset,
-shuffled once by the seed and cycled; the prompt at position i of step s gets the global index
-s * prompts_per_step + i, which seeds its samples (so a run reproduces whatever the actor split).
+with the time of each phase measured by the driver (`time/*_s`, metric_names.STEP_PHASES, summing to
+`time/step_s`) and the rollout phase's engine time split by live batch (`rollout/seconds_by_batch/*`).
+Drift telemetry runs every `drift_every` steps on `drift_subset`'s rollouts. Prompts come from the
+task's `datasets` Dataset, shuffled once by the seed and cycled; the prompt at position i of step s gets
+the global index s * prompts_per_step + i, which seeds its samples (so a run reproduces whatever the
+actor split).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Optional
 
+from rollout_ssd import metric_names as names
 from rollout_ssd.rl.actors import LearnerWorker, RolloutWorker, has_draft, in_process_pair
 from rollout_ssd.rl.config import RLConfig
 from rollout_ssd.rl.tasks import get_task
@@ -33,14 +37,22 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def merge_engine_metrics(per_actor: list[dict]) -> dict:
-    """One dict from several engines' metrics: numbers averaged (counts summed), the rest from the first."""
+    """One dict from several engines' metrics: numbers averaged (counts summed), the rest from the first
+    actor that has the key. The live-batch families (metric_names.py) are sums over the actors' engines
+    with an absent bucket counting 0: tokens and rounds summed, seconds summed and divided by the number of
+    actors, so they still sum to the (averaged) `rollout/seconds` and the (summed) `rollout/tokens`."""
     if len(per_actor) == 1:
         return dict(per_actor[0])
+    keys = list(dict.fromkeys(k for m in per_actor for k in m))
     out: dict = {}
-    for key in per_actor[0]:
+    for key in keys:
         values = [m[key] for m in per_actor if key in m]
         if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            summed = key.endswith(("tokens", "rounds", "hits", "misses", "_count", "/bytes"))
+            if key.startswith(names.SECONDS_BY_BATCH):
+                out[key] = sum(values) / len(per_actor)
+                continue
+            summed = key.endswith(("tokens", "rounds", "hits", "misses", "_count", "/bytes")) or \
+                key.startswith((names.TOKENS_BY_BATCH, names.ROUNDS_BY_BATCH))
             out[key] = sum(values) if summed else sum(values) / len(values)
         else:
             out[key] = values[0]
@@ -133,6 +145,15 @@ class RLTrainer:
                    for w, a, b in zip(self.rollout, bounds, bounds[1:]) if b > a]
         return [d for part in self._get(handles) for d in part]
 
+    def drift_subset(self, step: int, rollouts: list) -> list[int]:
+        """Indices of the rollouts drift is measured on at `step`: those with tokens, all of them when
+        `drift_max_rollouts` is 0 or covers them, else that many drawn at random by (seed, step), in order."""
+        live = [i for i, r in enumerate(rollouts) if r["token_ids"]]
+        k = self.cfg.drift_max_rollouts
+        if k == 0 or k >= len(live):
+            return live
+        return sorted(random.Random(self.cfg.seed * 1_000_003 + step).sample(live, k))
+
     def step(self, step: int) -> dict:
         cfg = self.cfg
         prompts, answers, indices = self.batch(step)
@@ -150,7 +171,10 @@ class RLTrainer:
         t4 = time.perf_counter()
         drift = {}
         if cfg.drift_every and (step + 1) % cfg.drift_every == 0 and has_draft(cfg):
-            drift = self._get(self._call(self.learner, "drift", rollouts, cfg.sampling.temperature))
+            subset = [rollouts[i] for i in self.drift_subset(step, rollouts)]
+            drift = self._get(self._call(self.learner, "drift", subset, cfg.sampling.temperature))
+            if drift:
+                drift[names.DRIFT_ROLLOUTS] = len(subset)
         t5 = time.perf_counter()
         engine = merge_engine_metrics(self._get([self._call(w, "metrics", True) for w in self.rollout]))
         tokens = sum(len(r["token_ids"]) for r in rollouts)
@@ -165,10 +189,10 @@ class RLTrainer:
             "rollout/tokens": tokens,
             "rollout/tokens_per_s": tokens / max(t1 - t0, 1e-9),
             "rollout/weight_version": max(r["weight_version"] for r in rollouts),
-            "time/rollout_s": t1 - t0, "time/learn_s": t2 - t1, "time/sync_s": t3 - t2,
-            "time/follow_s": t4 - t3, "time/drift_s": t5 - t4, "time/step_s": total,
+            names.TIME_ROLLOUT_S: t1 - t0, names.TIME_LEARN_S: t2 - t1, names.TIME_SYNC_S: t3 - t2,
+            names.TIME_FOLLOW_S: t4 - t3, names.TIME_DRIFT_S: t5 - t4, names.TIME_STEP_S: total,
             "time/rollout_share": (t1 - t0) / total, "time/learn_share": (t2 - t1) / total,
-            "time/sync_share": (t3 - t2 + t4 - t3) / total,
+            "time/sync_share": (t3 - t2 + t4 - t3) / total, names.TIME_DRIFT_SHARE: (t5 - t4) / total,
             "draft/mode": cfg.follow.mode,
         })
         return metrics
