@@ -19,8 +19,9 @@ pytestmark = pytest.mark.skipif(not layer_kernel.available(), reason="the layer 
 
 @pytest.fixture(autouse=True)
 def every_step_fits(monkeypatch):
-    """The kernel takes up to LIMIT tokens here whatever this CPU's speed choice (`max_rows()`: 2 where an AMX
-    CPU runs the dot code), so that every path of its code runs on every CPU that has it."""
+    """The kernel takes up to LIMIT tokens here whatever this CPU's speed choice
+    (`cpu_backend.layer_kernel_rows()`: 2 where an AMX CPU runs the dot code), so that every path of its code
+    runs on every CPU that has it."""
     monkeypatch.setattr(cpu_backend, "_LAYER_ROWS", layer_kernel.LIMIT)
 
 
@@ -234,7 +235,7 @@ def test_a_long_prefill_is_not_the_kernels_whatever_the_row_limit(pair, kind, mo
     """A row of more than LIMIT tokens is a prefill, never the kernel's (its attention is SDPA's, and
     few_attention.c's scratch grows with queries x keys), even where the kernel takes many more rows of a
     few tokens: the avx512 kind's rows kernel serves every row count (the layer kernel stops at LIMIT), the
-    amx kind's layer kernel takes MAX_ROWS["amx"] tokens in rows of up to LIMIT each."""
+    amx kind's layer kernel takes LAYER_KERNEL_ROWS["amx"] tokens in rows of up to LIMIT each."""
     bf16, _ = pair
     from rollout_ssd.models.decoder import ForwardBatch
 
