@@ -124,12 +124,12 @@ def ssd_choice(run: MethodRun, cores: int) -> Optional[str]:
         return None
     total, ssd = sum(rounds.values()), sum(n for plan, n in rounds.items() if plan.startswith("ssd"))
     if 2 * ssd >= total:
-        return (f"The SSD engine ran SSD in {ssd} of its {total} rounds: its strategy rule measured SSD as the "
-                f"fastest plan on this machine.")
+        return (f"Over both calls the SSD engine ran SSD in {ssd} of its {total} rounds: its strategy rule "
+                f"measured SSD as the fastest plan on this machine.")
     others = sorted(((n, plan) for plan, n in rounds.items() if not plan.startswith("ssd")), reverse=True)
     ran = " and ".join(f"{PLAIN.get(plan, plan)} ({n} rounds)" for n, plan in others)
     tried = f", SSD in {ssd} while measuring it" if ssd else ""
-    head = f"The SSD engine ran {ran}{tried}"
+    head = f"Over both calls the SSD engine ran {ran}{tried}"
     cap, v = _state(run, "cap"), _state(run, "v")
     if cap is not None and cap < 1 and v is not None and v < 1:
         return (f"{head}: on this machine's {cores} CPU cores SSD's draft would take a core the target needs (the "

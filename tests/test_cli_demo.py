@@ -48,15 +48,16 @@ def test_the_ssd_choice_is_one_sentence_saying_what_ran_and_why():
                          _metrics(10, 1.0, 1.0, hit=0.0, rounds=rounds, **state))
 
     two_core = ssd_choice(ssd_run({"ar": 2, "sd": 9}, cap=0.8, v=0.5, cap_batch=4), cores=2)
-    assert two_core == ("The SSD engine ran SD (18 rounds) and AR (4 rounds): on this machine's 2 CPU cores SSD's "
-                        "draft would take a core the target needs (the target's verify ran 2.0x slower without it), "
-                        "so SSD could reach at most 0.80x the speed of the best other plan; on a machine with a "
-                        "device for the draft (a second GPU) it runs SSD.")
+    assert two_core == ("Over both calls the SSD engine ran SD (18 rounds) and AR (4 rounds): on this machine's 2 "
+                        "CPU cores SSD's draft would take a core the target needs (the target's verify ran 2.0x "
+                        "slower without it), so SSD could reach at most 0.80x the speed of the best other plan; "
+                        "on a machine with a device for the draft (a second GPU) it runs SSD.")
     small = ssd_choice(ssd_run({"sd": 9, "ssd+neural": 1}, cap=0.9, v=1.0), cores=16)
-    assert small.startswith("The SSD engine ran SD (18 rounds), SSD in 2 while measuring it: drafting is too small")
+    assert small.startswith("Over both calls the SSD engine ran SD (18 rounds), SSD in 2 while measuring it: "
+                            "drafting is too small")
     assert ssd_choice(ssd_run({"ssd+neural": 9, "sd": 1}, cap=1.4, v=1.0), cores=16) == (
-        "The SSD engine ran SSD in 18 of its 20 rounds: its strategy rule measured SSD as the fastest plan on this "
-        "machine.")
+        "Over both calls the SSD engine ran SSD in 18 of its 20 rounds: its strategy rule measured SSD as the fastest "
+        "plan on this machine.")
     assert ssd_choice(ssd_run({"ar": 5}), cores=2).endswith("its strategy rule measured those faster than SSD on "
                                                               "this machine.")
     assert ssd_choice(MethodRun("sd", _metrics(1, 1.0, 1.0), _metrics(1, 1.0, 1.0)), cores=2) is None
@@ -99,5 +100,5 @@ def test_the_demo_end_to_end_on_a_tiny_pair(tmp_path, capsys):
     for row in rows.values():  # seconds (one decimal: a tiny model's call may show 0.0), tokens/s, first call's
         assert float(row[2]) >= 0 and float(row[3]) > 0 and float(row[7]) >= 0
     assert rows["ar"][-2:] == ["(every", "round)"] and rows["sd"][-2:] == ["(every", "round)"]
-    choice = [line for line in lines[head + 4:] if line.startswith("The SSD engine ran ")]
+    choice = [line for line in lines[head + 4:] if line.startswith("Over both calls the SSD engine ran ")]
     assert len(choice) == 1 and choice[0].endswith(".")
