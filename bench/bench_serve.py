@@ -150,6 +150,8 @@ def _add_load_args(p) -> None:
     g.add_argument("--workload", default="clients", choices=["clients", "mixed", "soak"],
                    help="clients: throughput and latency vs concurrent clients (above); mixed: fairness; soak")
     g.add_argument("--big-requests", type=int, default=2, help="mixed: big requests running at once")
+    g.add_argument("--max-round-rows", type=int, default=0,
+                   help="mixed: the servers' --max-round-rows (0: every running sequence steps every round)")
     g.add_argument("--big-n", type=int, default=64, help="mixed: n of each big request")
     g.add_argument("--big-tokens", type=int, default=256, help="mixed: tokens of each big sequence")
     g.add_argument("--small-tokens", type=int, default=16, help="mixed: tokens of a small request; soak: the most")

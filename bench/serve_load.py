@@ -114,7 +114,8 @@ def mixed(args, tmp: Path) -> None:
     rows, results = [], {}
     for policy in ("fair", "fifo"):
         server = ServerProcess(args, target_name, draft_name if method != "ar" else None, method, max_len,
-                               extra=["--admission", policy, "--max-n", str(max(args.big_n, 1))])
+                               extra=["--admission", policy, "--max-n", str(max(args.big_n, 1)),
+                                      "--max-round-rows", str(args.max_round_rows)])
         try:
             for p in prompts[:2]:  # warm-up
                 stream_small(server.url, p, args.small_tokens, args.request_timeout)
@@ -133,13 +134,14 @@ def mixed(args, tmp: Path) -> None:
                          "big e2e s": max(big_times) if phase == "loaded" and big_times else None})
     print(f"{'tiny pair' if args.tiny else args.model}, {method}; {args.big_requests} big requests of n={args.big_n} x "
           f"{args.big_tokens} tokens; small: {args.small_tokens} greedy tokens, {args.small_clients} clients; "
-          f"max_batch_size={args.max_batch_size}, threads={args.threads}")
+          f"max_batch_size={args.max_batch_size}, max_round_rows={args.max_round_rows or 'all'}, threads={args.threads}")
     print_table(rows)
     print_json_line({"bench": "serve-mixed", "machine": machine_note(), "model": "tiny" if args.tiny else args.model,
                      "method": method, "big_requests": args.big_requests, "big_n": args.big_n,
                      "big_tokens": args.big_tokens, "small_tokens": args.small_tokens,
                      "small_clients": args.small_clients, "small_requests": args.small_requests,
-                     "max_batch_size": args.max_batch_size, "threads": args.threads, "max_model_len": max_len,
+                     "max_batch_size": args.max_batch_size, "max_round_rows": args.max_round_rows,
+                     "threads": args.threads, "max_model_len": max_len,
                      "ttft_ratio_target": 3.0, "results": results})
 
 

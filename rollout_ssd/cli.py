@@ -67,17 +67,22 @@ def _add_generate_parser(sub) -> None:
     p.set_defaults(func=generate)
 
 
+def _plotted(command: str, draw) -> int:
+    """Run a plot command's `draw()` (which returns the PNG's path); a bad run or file is an error, exit 2."""
+    try:
+        output = draw()
+    except ValueError as err:
+        print(f"rollout-ssd {command}: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {output}")
+    return 0
+
+
 def plot_drift(args) -> int:
     """`rollout-ssd plot-drift`: hit rate / acceptance / KL vs weight version for runs (rl/tracking.py)."""
     from rollout_ssd.rl.tracking import plot_drift as plot
 
-    try:
-        output = plot(args.runs, args.output, labels=args.labels)
-    except ValueError as err:
-        print(f"rollout-ssd plot-drift: error: {err}", file=sys.stderr)
-        return 2
-    print(f"wrote {output}")
-    return 0
+    return _plotted("plot-drift", lambda: plot(args.runs, args.output, labels=args.labels))
 
 
 def _add_plot_drift_parser(sub) -> None:
@@ -94,13 +99,7 @@ def plot_run(args) -> int:
     """`rollout-ssd plot-run`: one run's reward, KL, step time and acceptance as a PNG (rl/plots.py)."""
     from rollout_ssd.rl.plots import plot_run as plot
 
-    try:
-        output = plot(args.run, args.output)
-    except ValueError as err:
-        print(f"rollout-ssd plot-run: error: {err}", file=sys.stderr)
-        return 2
-    print(f"wrote {output}")
-    return 0
+    return _plotted("plot-run", lambda: plot(args.run, args.output))
 
 
 def _add_plot_run_parser(sub) -> None:

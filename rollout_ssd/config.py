@@ -148,7 +148,10 @@ class EngineConfig:
     reserved_slots (fair only): the last this many free slots go only to requests holding none yet, so a
     newcomer starts within a round while large requests run; an integer >= 0, or "auto" (one slot in
     16, at least one). A single request (one `sample` call) is admitted the same under every setting,
-    and a seeded request gets the same tokens whatever else runs."""
+    and a seeded request gets the same tokens whatever else runs.
+    max_round_rows: the most running sequences one round steps (rollout_ssd/round_budget.py: those that
+    waited longest); bounds a newcomer's wait for the round in flight at some cost in a large batch's
+    throughput. None: every running sequence steps every round."""
 
     max_batch_size: Optional[int] = None
     max_model_len: Optional[int] = None
@@ -159,6 +162,7 @@ class EngineConfig:
     compile: Union[bool, str] = False
     admission: str = "fair"
     reserved_slots: Union[int, str] = 0
+    max_round_rows: Optional[int] = None
 
     def __post_init__(self):
         if self.max_batch_size is not None and (not isinstance(self.max_batch_size, int) or isinstance(
@@ -183,5 +187,8 @@ class EngineConfig:
         r = self.reserved_slots
         if r != "auto" and (not isinstance(r, int) or isinstance(r, bool) or r < 0):
             raise ValueError(f"EngineConfig.reserved_slots must be an integer >= 0 or 'auto', got {r!r}")
+        m = self.max_round_rows
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise ValueError(f"EngineConfig.max_round_rows must be an integer >= 1 or None, got {m!r}")
         if self.attention not in ATTENTION:
             raise ValueError(f"EngineConfig.attention must be one of {ATTENTION}, got {self.attention!r}")

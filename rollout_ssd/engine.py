@@ -36,6 +36,7 @@ from rollout_ssd.models.loader import LoadedModel, load_draft, load_pretrained
 from rollout_ssd.models.registry import INT4_DRAFT
 from rollout_ssd.params import Prompt, Rollout, SamplingParams
 from rollout_ssd.request import Request
+from rollout_ssd.round_budget import RoundBudget
 from rollout_ssd.runner import ModelRunner
 from rollout_ssd.scheduler import Scheduler
 from rollout_ssd.updates import TargetWeights, UpdateQueue
@@ -174,7 +175,8 @@ class RolloutEngine:
             self.runner, self.stats, spec, draft, target.model.cfg.vocab_size, self.max_model_len))
         admission = Admission(engine.admission, resolve_reserved(engine.reserved_slots, slots))
         self.scheduler = Scheduler(self.runner, lambda: self.strategy, self.stats, updates=self._apply_updates,
-                                   version=lambda: self.weight_version, admission=admission)
+                                   version=lambda: self.weight_version, admission=admission,
+                                   budget=RoundBudget(engine.max_round_rows))
         self._closed = False
 
     @classmethod

@@ -25,6 +25,7 @@ from rollout_ssd.admission import Admission
 from rollout_ssd.decode import DecodeStrategy, sample_rows
 from rollout_ssd.metrics import EngineMetrics
 from rollout_ssd.request import Request, RequestCancelled
+from rollout_ssd.round_budget import RoundBudget
 from rollout_ssd.runner import ModelRunner
 from rollout_ssd.sequence import Sequence
 
@@ -41,10 +42,12 @@ class Scheduler:
     strategy() is the engine's decode strategy (looked up each round); updates() applies queued weight
     updates and returns whether the target's weights changed; version() is the target weight version
     served now; stats receives prefill and busy time; admission picks which waiting sequences get the
-    free slots (admission.py; default: fair, no reserved slots)."""
+    free slots (admission.py; default: fair, no reserved slots); budget picks which running sequences step
+    in a round (round_budget.py; default: all)."""
 
     def __init__(self, runner: ModelRunner, strategy: Callable[[], DecodeStrategy], stats: EngineMetrics, *,
-                 updates: Callable[[], bool], version: Callable[[], int], admission: Optional[Admission] = None):
+                 updates: Callable[[], bool], version: Callable[[], int], admission: Optional[Admission] = None,
+                 budget: Optional[RoundBudget] = None):
         self.runner = runner
         self._strategy = strategy
         self._stats = stats
@@ -54,6 +57,7 @@ class Scheduler:
         self._inbox: deque[Request] = deque()
         self._live: dict[int, Request] = {}
         self.waiting = admission if admission is not None else Admission()
+        self.budget = budget if budget is not None else RoundBudget()
         self.running: list[Sequence] = []
         self._driving = False
         self._paused = False
@@ -225,7 +229,7 @@ class Scheduler:
         if produced:  # the admitted sequences' first tokens (from the prefill) reach listeners now
             self._report()
         if self.running:
-            produced += self._strategy().step(self.running)
+            produced += self._strategy().step(self.budget.pick(self.running))
             self._retire()
         self._report()
         return produced

@@ -108,7 +108,7 @@ def test_hostile_requests_get_400_naming_the_field(sd_server):
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
     info = sd_server.http.get("/server_info").json()
     assert info["limits"]["max_n"] == 128 and info["limits"]["max_queued_seqs"] == 6
-    assert info["admission"] == {"policy": "fair", "reserved_slots": 1, "kv_slots": 2}
+    assert info["admission"] == {"policy": "fair", "reserved_slots": 1, "kv_slots": 2, "max_round_rows": None}
     before = sd_server.metrics()
     ok = sd_server.post("/v1/completions", {"prompt": "hi", "max_tokens": 60, "temperature": 0})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 60  # 2 + 60 <= 64 fits

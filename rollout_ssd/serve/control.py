@@ -118,7 +118,7 @@ def control_routes(app: FastAPI, server) -> None:
 
 def _admission(engine) -> dict:
     return {"policy": engine.config.admission, "reserved_slots": engine.scheduler.waiting.reserved,
-            "kv_slots": engine.runner.cache.num_slots}
+            "kv_slots": engine.runner.cache.num_slots, "max_round_rows": engine.config.max_round_rows}
 
 
 def _init_info(info: dict) -> tuple[str, int, int, float]:

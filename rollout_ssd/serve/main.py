@@ -4,7 +4,7 @@ The socket is bound before uvicorn starts so that `--port 0` works: the line
 `rollout-ssd serve: listening on http://HOST:PORT` names the port actually bound (tests and scripts
 read it). Loopback by default; binding elsewhere without --api-key logs a warning.
 
-Limits (limits.py) and admission (EngineConfig.admission, reserved_slots) are options with safe
+Limits (limits.py) and admission (EngineConfig.admission, reserved_slots, max_round_rows) are options with safe
 defaults, listed by --help and GET /server_info. SIGTERM (or Ctrl-C) stops gracefully: new requests get
 503 at once, running ones finish (cancelled after --drain-timeout seconds), then the engine closes and
 the process exits 0; a second signal exits without waiting.
@@ -65,6 +65,10 @@ def _add_limit_args(p) -> None:
     g.add_argument("--reserved-slots", default="auto",
                    help="fair admission: free KV slots kept for requests that hold none yet (an integer, or 'auto': "
                         "1 in 16, at least 1; default %(default)s)")
+    g.add_argument("--max-round-rows", type=int, default=0,
+                   help="the most running sequences one round steps (those that waited longest), which bounds a new "
+                        "request's wait for the round in flight at some cost in a large batch's throughput; 0: "
+                        "every running sequence, every round (default %(default)s)")
 
 
 class _Graceful:
@@ -112,7 +116,8 @@ def serve(args) -> int:
         limits = Limits(args.max_n, args.max_queued_seqs, args.max_body_bytes, args.clamp_max_tokens, args.drain_timeout)
         engine = RolloutEngine.from_pretrained(args.target, draft=args.draft, spec=SpecConfig(**spec), dtype=args.dtype,
                                                max_batch_size=args.max_batch_size, max_model_len=args.max_model_len,
-                                               admission=args.admission, reserved_slots=reserved)
+                                               admission=args.admission, reserved_slots=reserved,
+                                               max_round_rows=args.max_round_rows or None)
     except ValueError as err:
         print(f"rollout-ssd serve: error: {err}", file=sys.stderr)
         return 2
