@@ -21,6 +21,7 @@ strategy it settled on and its round counts per strategy.
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,7 +50,9 @@ def parse_args(argv=None):
                         "groups have mixed rewards and the policy moves (harder problems: all-zero rewards)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--ray", action="store_true", help="Ray rollout + learner actors (default: in process)")
-    p.add_argument("--out", default="bench/results/grpo")
+    p.add_argument("--out", default=None,
+                   help="run directories and the PNG (default: bench/results/grpo; with --quick a temporary folder, "
+                        "so a smoke run never overwrites the committed results)")
     p.add_argument("--skip", default="", help="comma list of parts to skip: throughput,drift,rule")
     p.add_argument("--methods", default="ar,sd,ssd", help="the throughput part's methods")
     p.add_argument("--compile", default="off",
@@ -59,6 +62,8 @@ def parse_args(argv=None):
         p.error(f"--compile takes off, live and / or frozen, got {args.compile!r}")
     if args.quick:
         args.steps, args.compare_steps = min(args.steps, 3), min(args.compare_steps, 2)
+    if args.out is None:
+        args.out = tempfile.mkdtemp(prefix="bench_grpo_quick_") if args.quick else "bench/results/grpo"
     return args
 
 
