@@ -32,8 +32,10 @@ class RoundBudget:
 
     def pick(self, running: list[Sequence]) -> list[Sequence]:
         """The running sequences that step this round, in `running`'s order."""
+        if self.max_rows is None:  # no budget: nothing to keep per sequence
+            return running
         self._round += 1
-        if self.max_rows is None or len(running) <= self.max_rows:
+        if len(running) <= self.max_rows:
             chosen = running
         else:
             last = self._last

@@ -173,17 +173,16 @@ class LearnerWorker:
                 out.update({k.replace("sync/", "sync/draft_", 1): v for k, v in stats.as_metrics().items()})
         return out
 
-    def drift(self, rollouts: Sequence[dict], temperature: float, max_sequences: Optional[int] = None) -> dict:
-        """drift/kl_target_draft on the given rollouts (the first max_sequences of them; None: all; the
-        trainer passes its `drift_subset`), under the current policy and the current draft (the
-        follower's copy, which the engine's draft equals)."""
+    def drift(self, rollouts: Sequence[dict], temperature: float) -> dict:
+        """drift/kl_target_draft on the given rollouts (the trainer passes its `drift_subset`), under the
+        current policy and the current draft (the follower's copy, which the engine's draft equals)."""
         if self.follower is None:
             return {}
         pairs = [(list(r["prompt_token_ids"]), list(r["token_ids"])) for r in rollouts if r["token_ids"]]
         if not pairs:
             return {}
         with torch.no_grad():
-            kl = kl_target_draft(self.learner.model, self.follower.draft, pairs[:max_sequences],
+            kl = kl_target_draft(self.learner.model, self.follower.draft, pairs,
                                  temperature=temperature if temperature > 0 else 1.0)
         return {"drift/kl_target_draft": kl}
 
