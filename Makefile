@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # Every kept benchmark's --quick smoke run (bench/README.md), one after another: the benches still run.
-BENCH_QUICK := bench_ar bench_compile bench_gemm bench_sd bench_ssd two_core_cap fresh_engines eval_draft bench_grpo \
+BENCH_QUICK := bench_rl_steps rl_drift bench_ar bench_compile bench_gemm bench_sd bench_ssd two_core_cap fresh_engines eval_draft bench_grpo \
 	bench_sync bench_serve bench_learner bf16_rows_kernel f32_rows_kernel layer_kernel dtype_auto
 
 .PHONY: install run lint test test-fast bench bench-quick

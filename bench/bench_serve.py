@@ -21,7 +21,8 @@ differently; submitting all requests at once would be an offline batch, not what
 difference measured is therefore only the serving layer: HTTP, JSON, SSE, asyncio, token rendering
 (and the client's own parsing, which runs on the same 2 cores, as a co-located trainer's would).
 
-Same conditions: the server and the in-process engine load the same weights (`--dtype float32`), use
+Same conditions: the server and the in-process engine load the same weights (`--dtype float32` unless
+`--dtype` says otherwise; the mixed workload's server takes `auto`, the engine's own pick), use
 the same EngineConfig (`--max-batch-size`, default the largest C so no client waits for a slot;
 max_model_len = longest prompt + max_tokens + 16) and the same torch thread count (`--threads`,
 default 1; SSD's draft worker pins itself to the other core on both sides). Prompts are sent as token
@@ -110,6 +111,9 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.0, choices=[0.0, 1.0])
     p.add_argument("--k", type=int, default=None, help="SpecConfig.k on both sides (default: SpecConfig's)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server and of the engine")
+    p.add_argument("--dtype", default=None,
+                   help="the server's --dtype (default: float32 for the clients and soak workloads, whose in-process "
+                        "side loads float32 weights; auto, the engine's own pick for the CPU, for mixed)")
     p.add_argument("--max-batch-size", type=int, default=None, help="KV slots on both sides (default: max clients)")
     p.add_argument("--repeats", type=int, default=1, help="server/engine phase pairs per C (order alternates)")
     p.add_argument("--warmup-clients", type=int, default=4, help="unmeasured requests (one per client) per side")
@@ -131,6 +135,8 @@ def parse_args(argv=None):
         args.tiny, args.clients, args.requests_per_client, args.max_tokens = True, "1,4", 2, 8
     if args.methods is None:
         args.methods = "ar,sd,ssd" if args.workload == "clients" else "sd"
+    if args.dtype is None:
+        args.dtype = "auto" if args.workload == "mixed" else "float32"
     args.client_counts = [int(c) for c in args.clients.split(",")]
     args.method_list = [m.strip() for m in args.methods.split(",")]
     for m in args.method_list:
@@ -156,6 +162,10 @@ def _add_load_args(p) -> None:
     g.add_argument("--big-tokens", type=int, default=256, help="mixed: tokens of each big sequence")
     g.add_argument("--small-tokens", type=int, default=16, help="mixed: tokens of a small request; soak: the most")
     g.add_argument("--small-clients", type=int, default=4, help="mixed / soak: concurrent clients of small requests")
+    g.add_argument("--trace", default=None, metavar="DIR",
+                   help="mixed: write the server's per-round trace ($ROLLOUT_SSD_ROUND_TRACE) and the small requests' "
+                        "records (epoch seconds) to DIR/<admission>_rounds.jsonl and _small.jsonl "
+                        "(bench/probes/serve_trace.py reads them)")
     g.add_argument("--small-requests", type=int, default=25,
                    help="mixed: small requests sent idle, and the most per client while the big ones run")
     g.add_argument("--soak-requests", type=int, default=2000, help="soak: requests in all")
@@ -214,9 +224,9 @@ def family(pid: int, include_self: bool):
 class ServerProcess:
     """`rollout-ssd serve` in its own session; `stop()` (idempotent, also at exit) ends it and its children."""
 
-    def __init__(self, args, target: str, draft, method: str, max_model_len: int, extra=()):
+    def __init__(self, args, target: str, draft, method: str, max_model_len: int, extra=(), env_extra=None):
         cmd = [sys.executable, "-m", "rollout_ssd.cli", "serve", "--target", target, "--method", method,
-               "--dtype", "float32", "--port", "0", "--host", "127.0.0.1", "--max-batch-size", str(args.max_batch_size),
+               "--dtype", args.dtype, "--port", "0", "--host", "127.0.0.1", "--max-batch-size", str(args.max_batch_size),
                "--max-model-len", str(max_model_len), "--threads", str(args.threads)]
         if draft is not None:
             cmd += ["--draft", draft]
@@ -226,6 +236,7 @@ class ServerProcess:
         self.cmd = cmd
         env = dict(os.environ)
         env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.update(env_extra or {})
         self.log: deque = deque(maxlen=200)
         self._ready: queue.Queue = queue.Queue()
         self.proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env, stdin=subprocess.DEVNULL,
@@ -490,10 +501,10 @@ def load_models(args, methods, tmp: Path):
     else:
         target_name = args.model
         draft_name = resolve_draft(args.draft, args.model) if any(m != "ar" for m in methods) else None
-    target = load_pretrained(target_name, dtype="float32")
+    target = load_pretrained(target_name, dtype=args.dtype)  # the server's dtype: both sides run the same weights
     draft = None
     if any(m != "ar" for m in methods):
-        draft = load_draft(draft_name, target, target_name, dtype="float32")
+        draft = load_draft(draft_name, target, target_name, dtype=args.dtype)
     if args.tiny:
         texts = arithmetic_dataset(min(needed, 256), seed=0)["prompt"]
         prompts = [list(target.tokenizer(t).input_ids) for t in texts]

@@ -45,7 +45,7 @@ def stream_small(url: str, prompt: list[int], tokens: int, timeout: float) -> di
     """One streamed greedy request: (send, first token, done) times and its token count."""
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "return_token_ids": True}
-    send, first, count = time.perf_counter(), None, 0
+    epoch, send, first, count = time.time(), time.perf_counter(), None, 0
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as resp:
         if resp.status_code != 200:
             resp.read()
@@ -56,7 +56,7 @@ def stream_small(url: str, prompt: list[int], tokens: int, timeout: float) -> di
                 if new and first is None:
                     first = time.perf_counter()
                 count += new
-    return {"ttft": first - send, "e2e": time.perf_counter() - send, "tokens": count}
+    return {"t": epoch, "ttft": first - send, "e2e": time.perf_counter() - send, "tokens": count}
 
 
 def _latency(records: list[dict]) -> dict:
@@ -112,10 +112,17 @@ def mixed(args, tmp: Path) -> None:
     max_len = min(max(map(len, prompts)) + max(args.big_tokens, args.small_tokens) + 16,
                   target.model.cfg.max_position_embeddings)
     rows, results = [], {}
+    trace = Path(args.trace) if args.trace else None
+    if trace is not None:
+        trace.mkdir(parents=True, exist_ok=True)
     for policy in ("fair", "fifo"):
+        env = {}
+        if trace is not None:
+            (trace / f"{policy}_rounds.jsonl").unlink(missing_ok=True)
+            env = {"ROLLOUT_SSD_ROUND_TRACE": str(trace / f"{policy}_rounds.jsonl")}
         server = ServerProcess(args, target_name, draft_name if method != "ar" else None, method, max_len,
                                extra=["--admission", policy, "--max-n", str(max(args.big_n, 1)),
-                                      "--max-round-rows", str(args.max_round_rows)])
+                                      "--max-round-rows", str(args.max_round_rows)], env_extra=env)
         try:
             for p in prompts[:2]:  # warm-up
                 stream_small(server.url, p, args.small_tokens, args.request_timeout)
@@ -124,6 +131,11 @@ def mixed(args, tmp: Path) -> None:
             loaded, big_times = _loaded_phase(server, args, prompts)
         finally:
             server.stop()
+        if trace is not None:
+            with open(trace / f"{policy}_small.jsonl", "w") as f:
+                for phase, recs in (("idle", idle), ("loaded", loaded)):
+                    for rec in recs:
+                        f.write(json.dumps({"phase": phase, **rec}) + "\n")
         res = {"idle": _latency(idle), "loaded": _latency(loaded), "big_e2e_s": big_times}
         idle99, loaded99 = res["idle"]["ttft_p99_ms"], res["loaded"]["ttft_p99_ms"]
         res["ttft_p99_ratio"] = loaded99 / idle99 if idle99 and loaded99 is not None else None
@@ -134,10 +146,11 @@ def mixed(args, tmp: Path) -> None:
                          "big e2e s": max(big_times) if phase == "loaded" and big_times else None})
     print(f"{'tiny pair' if args.tiny else args.model}, {method}; {args.big_requests} big requests of n={args.big_n} x "
           f"{args.big_tokens} tokens; small: {args.small_tokens} greedy tokens, {args.small_clients} clients; "
-          f"max_batch_size={args.max_batch_size}, max_round_rows={args.max_round_rows or 'all'}, threads={args.threads}")
+          f"max_batch_size={args.max_batch_size}, max_round_rows={args.max_round_rows or 'all'}, threads={args.threads}, "
+          f"dtype={args.dtype}")
     print_table(rows)
     print_json_line({"bench": "serve-mixed", "machine": machine_note(), "model": "tiny" if args.tiny else args.model,
-                     "method": method, "big_requests": args.big_requests, "big_n": args.big_n,
+                     "method": method, "dtype": args.dtype, "big_requests": args.big_requests, "big_n": args.big_n,
                      "big_tokens": args.big_tokens, "small_tokens": args.small_tokens,
                      "small_clients": args.small_clients, "small_requests": args.small_requests,
                      "max_batch_size": args.max_batch_size, "max_round_rows": args.max_round_rows,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, deque
-from typing import Iterable
+from typing import Iterable, Optional
 
 from rollout_ssd.sequence import Sequence
 
@@ -66,9 +66,11 @@ class Admission:
         self._queues.clear()
         self._count = 0
 
-    def take(self, free: int, running: list[Sequence]) -> list[Sequence]:
-        """The sequences to admit into `free` slots now, in admission order (removed from the queue)."""
-        out = self._fifo(free) if self.policy == "fifo" else self._fair(free, running)
+    def take(self, free: int, running: list[Sequence], limit: Optional[int] = None) -> list[Sequence]:
+        """The sequences to admit into `free` slots now, at most `limit` of them (None: no limit), in
+        admission order (removed from the queue)."""
+        limit = free if limit is None else min(free, limit)
+        out = self._fifo(limit) if self.policy == "fifo" else self._fair(free, running, limit)
         self._count -= len(out)
         return out
 
@@ -82,12 +84,12 @@ class Admission:
                 del self._queues[rid]
         return out
 
-    def _fair(self, free: int, running: list[Sequence]) -> list[Sequence]:
+    def _fair(self, free: int, running: list[Sequence], limit: int) -> list[Sequence]:
         held = Counter(s.request_id for s in running)
         heap = [(held[rid], rid) for rid in self._queues]  # request ids grow with arrival
         heapq.heapify(heap)
         out = []
-        while free > 0 and heap:
+        while free > 0 and heap and len(out) < limit:
             count, rid = heapq.heappop(heap)
             if count > 0 and free <= self.reserved:
                 break  # the rest are reserved for newcomers; every request left holds a slot too

@@ -1,14 +1,17 @@
-"""Which running sequences step in a round (`EngineConfig.max_round_rows`).
+"""How much one round computes (`EngineConfig.max_round_rows`): which running sequences step, and how
+many waiting ones it admits.
 
-A round's cost grows with the rows it decodes (and a speculative round verifies K + 1 rows for each). A
-request that arrives while a large batch runs is admitted and prefilled only between rounds, so its first
-token waits for the round in flight: on a CPU, a round of 60 sequences can take several times a short
-request's whole time to first token. With `max_round_rows` = B, a round steps at most B of the running
-sequences: the B that have waited longest since they last stepped (ties: lower KV slot first), so each
-running sequence steps once every ceil(running / B) rounds and a newcomer waits for at most one B-row
-round. This trades some of a large batch's throughput (more, smaller rounds) for a bounded time to first
-token, as a token budget per step does in vLLM. None (the default): every running sequence steps every
-round.
+A round's cost grows with the rows it decodes (and a speculative round verifies K + 1 rows for each) and
+with the prompts it prefills. A request that arrives while a large batch runs is admitted and prefilled
+only between rounds, so its first token waits for the round in flight: on a CPU, a round of 60 sequences,
+or one that admits 60 at once, can take several times a short request's whole time to first token. With
+`max_round_rows` = B, a round admits at most B waiting sequences (the admission policy picks which, so a
+newcomer goes first under "fair") and steps at most B of the running ones: the B that have waited longest
+since they last stepped (ties: lower KV slot first), so each running sequence steps once every
+ceil(running / B) rounds and a newcomer waits for at most one B-row round. This trades some of a large
+batch's throughput (more, smaller rounds) for a bounded time to first token, as a token budget per step
+does in vLLM. None (the default): every running sequence steps every round and every free slot is
+filled at once.
 
 Which round a sequence steps in never changes its law, and not its tokens either where the arithmetic does
 not depend on the batch's shape: its randomness is its own (seed, prompt index, sample index), every

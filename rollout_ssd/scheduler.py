@@ -15,7 +15,9 @@ what a request gets never depends on which other requests shared its rounds.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -30,6 +32,29 @@ from rollout_ssd.runner import ModelRunner
 from rollout_ssd.sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+TRACE_ENV = "ROLLOUT_SSD_ROUND_TRACE"
+
+
+class RoundTrace:
+    """One JSON line per round to the file named by $ROLLOUT_SSD_ROUND_TRACE (off when unset): when the
+    round started (epoch seconds, to line up with a client's clock) and what it did: seconds in all and in
+    its prefill, sequences admitted and their prompt tokens, the requests they came from, rows stepped,
+    running and waiting sequences, tokens emitted. For finding where a latency goes (docs/serving.md)."""
+
+    def __init__(self, path: str):
+        self._file = open(path, "a", buffering=1)
+
+    @classmethod
+    def from_env(cls) -> Optional["RoundTrace"]:
+        path = os.environ.get(TRACE_ENV)
+        return cls(path) if path else None
+
+    def write(self, row: dict) -> None:
+        self._file.write(json.dumps(row) + "\n")
+
+    def flush(self) -> None:
+        self._file.flush()
 
 
 class Scheduler:
@@ -63,6 +88,8 @@ class Scheduler:
         self._paused = False
         self._closed = False
         self._thread: Optional[threading.Thread] = None
+        self._trace = RoundTrace.from_env()
+        self._admitted: tuple[list[Sequence], float] = ([], 0.0)  # the round's admissions, prefill seconds
 
     # ------------------------------------------------------------------ callers' side
     def submit(self, request: Request) -> None:
@@ -140,6 +167,8 @@ class Scheduler:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+        if self._trace is not None:
+            self._trace.flush()
         with self._cond:
             for req in list(self._live.values()) + list(self._inbox):
                 req.cancel()
@@ -222,16 +251,28 @@ class Scheduler:
 
     def _round(self) -> int:
         """One round, phase by phase; returns the tokens it emitted."""
+        trace = self._trace
+        if trace is not None:
+            start, t0 = time.time(), time.perf_counter()
+            self._admitted = ([], 0.0)
         self._drop_cancelled()
         self.apply_updates(self.running)
         produced = self._admit()
         self._retire()
         if produced:  # the admitted sequences' first tokens (from the prefill) reach listeners now
             self._report()
+        stepped = []
         if self.running:
-            produced += self._strategy().step(self.budget.pick(self.running))
+            stepped = self.budget.pick(self.running)
+            produced += self._strategy().step(stepped)
             self._retire()
         self._report()
+        if trace is not None:
+            admitted, prefill_s = self._admitted
+            trace.write({"t": start, "round_s": time.perf_counter() - t0, "prefill_s": prefill_s,
+                         "admitted": len(admitted), "admitted_tokens": sum(len(s.prompt_token_ids) for s in admitted),
+                         "admitted_requests": sorted({s.request_id for s in admitted}), "stepped": len(stepped),
+                         "running": len(self.running), "waiting": len(self.waiting), "emitted": produced})
         return produced
 
     # ------------------------------------------------------------------ the phases
@@ -249,7 +290,7 @@ class Scheduler:
 
     def _admit(self) -> int:
         """Give waiting sequences the free KV slots and prefill them; returns the tokens they emitted."""
-        admitted = self.waiting.take(self.runner.cache.num_free, self.running)
+        admitted = self.waiting.take(self.runner.cache.num_free, self.running, self.budget.max_rows)
         for seq in admitted:
             seq.slot = self.runner.allocate()
         if not admitted:
@@ -268,6 +309,8 @@ class Scheduler:
         tokens, logprobs = sample_rows(seqs, logits)
         produced = sum(s.append([t], [lp]) for s, t, lp in zip(seqs, tokens, logprobs))
         self._stats.add_prefill(time.perf_counter() - t0, produced)
+        if self._trace is not None:
+            self._admitted = (list(seqs), time.perf_counter() - t0)
         return produced
 
     def _release(self, seq: Sequence) -> None:

@@ -5,6 +5,8 @@ greedy and seeded at T = 1 (each sequence's randomness is its own), with logprob
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from rollout_ssd import EngineConfig, RolloutEngine, SamplingParams, SpecConfig
@@ -70,3 +72,20 @@ def test_a_round_budget_changes_no_token(pair, method, temperature):
     assert [r.token_ids for r in out[2]] == [r.token_ids for r in out[None]]
     for a, b in zip(out[2], out[None], strict=True):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5
+
+
+def test_the_budget_caps_admissions_and_the_trace_shows_each_round(pair, tmp_path, monkeypatch):
+    """With max_round_rows = 2, no round admits or steps more than 2 sequences (RoundTrace's record), and
+    every sequence is admitted once."""
+    trace = tmp_path / "rounds.jsonl"
+    monkeypatch.setenv("ROLLOUT_SSD_ROUND_TRACE", str(trace))
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    with _engine(pair, "sd", 2) as engine:
+        out = engine.sample(PROMPTS, params)
+        assert_ran(engine, "spec")
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert sum(r["admitted"] for r in rows) == 6 and all(len(r.token_ids) == 6 for r in out)
+    assert max(r["admitted"] for r in rows) == 2 and max(r["stepped"] for r in rows) == 2
+    assert [r["admitted"] for r in rows[:3]] == [2, 2, 2]  # 6 free slots, filled 2 a round
+    assert all(r["round_s"] >= r["prefill_s"] >= 0 for r in rows)
+    assert sum(r["admitted_tokens"] for r in rows) == 2 * sum(map(len, PROMPTS))

@@ -117,13 +117,16 @@ class LearnerWorker:
             torch.set_num_threads(threads)
         self.cfg = cfg
         target, draft = resolve_models(cfg)
-        policy = load_pretrained(target, dtype="float32", with_tokenizer=False).model
+        loaded = load_pretrained(target, dtype="float32", with_tokenizer=bool(cfg.checkpoint_steps))
+        policy = loaded.model
+        self._hf_config, self._tokenizer = loaded.hf_config, loaded.tokenizer  # for checkpoints
+        self._draft_config = None
         self.learner = Learner(policy, cfg.learner)
         self.follower = None
         if has_draft(cfg) and draft != INT4_DRAFT:  # the policy's own weights: nothing to distil or send
-            draft_model = load_pretrained(draft, dtype="float32", with_tokenizer=False,
-                                          share_embedding_from=policy).model
-            self.follower = DraftFollower(draft_model, cfg.follow)
+            draft_loaded = load_pretrained(draft, dtype="float32", with_tokenizer=False, share_embedding_from=policy)
+            self._draft_config = draft_loaded.hf_config
+            self.follower = DraftFollower(draft_loaded.model, cfg.follow)
         self.sync: Optional[LearnerSync] = None
         self.draft_version = 0
 
@@ -185,6 +188,17 @@ class LearnerWorker:
             kl = kl_target_draft(self.learner.model, self.follower.draft, pairs,
                                  temperature=temperature if temperature > 0 else 1.0)
         return {"drift/kl_target_draft": kl}
+
+    def save_checkpoint(self, step: int) -> str:
+        """The policy (and the follower's draft) now, as checkpoint `step` under the run's out_dir
+        (rl/checkpoints.py); returns its directory."""
+        from rollout_ssd.rl.checkpoints import save_checkpoint
+
+        draft = self.follower.draft if self.follower is not None else None
+        where = save_checkpoint(self.cfg.tracking.out_dir, step, self.learner.model, self._hf_config, self._tokenizer,
+                                policy_version=self.learner.version, draft=draft, draft_config=self._draft_config,
+                                draft_version=self.draft_version, follow_mode=self.cfg.follow.mode)
+        return str(where)
 
     def weights_digest(self) -> str:
         """A hash of the policy's weights (bitwise comparisons across runs)."""

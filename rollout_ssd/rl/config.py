@@ -46,7 +46,9 @@ class RayConfig:
     rollout_gpus / learner_gpus: Ray GPU requests per actor (Ray hides every GPU from an actor that
     asks for none, so an engine on `device="cuda"` needs rollout_gpus >= 1; two for SSD with its draft
     on a GPU of its own). sync_host: the address the learner's weight-sync group listens on (default
-    127.0.0.1; on a cluster, the learner node's IP)."""
+    127.0.0.1; on a cluster, the learner node's IP). threads: torch threads of each actor; None gives the
+    learner every core of the machine and each rollout actor an even share of them, because the phases of
+    a step run one after another (a thread count of 1 left a core idle in every phase)."""
 
     enabled: bool = True
     address: Optional[str] = None
@@ -57,14 +59,24 @@ class RayConfig:
     learner_gpus: float = 0.0
     num_cpus: Optional[int] = None
     sync_host: str = "127.0.0.1"
+    threads: Optional[int] = None
 
     def __post_init__(self):
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or self.threads < 1):
+            raise ValueError(f"ray.threads must be an integer >= 1 or null, got {self.threads!r}")
         if not isinstance(self.rollout_actors, int) or self.rollout_actors < 1:
             raise ValueError(f"ray.rollout_actors must be an integer >= 1, got {self.rollout_actors!r}")
         for name in ("rollout_cpus", "learner_cpus", "rollout_gpus", "learner_gpus"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"ray.{name} must be a number >= 0, got {value!r}")
+
+    def actor_threads(self, cores: int) -> tuple[int, int]:
+        """(rollout actor, learner) torch threads on a machine of `cores` cores."""
+        if self.threads is not None:
+            return self.threads, self.threads
+        return max(1, cores // self.rollout_actors), max(1, cores)
 
 
 @dataclass(frozen=True)
@@ -89,7 +101,8 @@ class RLConfig:
     drift_every: measure drift/kl_target_draft every N steps (0: never); drift_max_rollouts: on at most
     this many of the step's rollouts, drawn at random by (seed, step) (0: all of them). The defaults keep
     the diagnostic a small share of a step (bench/bench_learner.py measures it; bench/RESULTS.md,
-    "Learner and diagnostics"). eval_greedy: also log reward of greedy rollouts every N steps (0: never).
+    "Learner and diagnostics"). checkpoint_steps: save the policy and draft after these steps (0: before
+    the first update) under out_dir/checkpoints (rl/checkpoints.py).
     device / draft_device: where the rollout engine runs its target and its draft
     (`RolloutEngine.from_pretrained`); the learner trains on the CPU."""
 
@@ -107,6 +120,7 @@ class RLConfig:
     seed: int = 0
     drift_every: int = 4
     drift_max_rollouts: int = 2
+    checkpoint_steps: tuple = ()
     tiny: bool = False
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(n=4, temperature=1.0, max_new_tokens=64))
     spec: SpecConfig = field(default_factory=lambda: SpecConfig(method="ssd"))
@@ -123,6 +137,12 @@ class RLConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        steps = self.checkpoint_steps
+        if isinstance(steps, list):
+            object.__setattr__(self, "checkpoint_steps", steps := tuple(steps))
+        if not isinstance(steps, tuple) or any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= self.steps
+                                               for s in steps):
+            raise ValueError(f"checkpoint_steps must be a list of integers in 0..steps ({self.steps}), got {steps!r}")
         if not isinstance(self.task_options, dict):
             raise ValueError(f"task_options must be a mapping, got {type(self.task_options).__name__}")
         from rollout_ssd.rl.tasks import get_task

@@ -59,10 +59,12 @@ def merge_engine_metrics(per_actor: list[dict]) -> dict:
     return out
 
 
-class RLTrainer:
-    """Owns the workers (Ray actors or in-process objects), the dataset and the logger."""
+class StepWorkload:
+    """The run's prompts in the order its steps take them: the task's dataset shuffled once by the seed,
+    then cycled. `batch(step)` is what step `step` (0-based) samples, also past the run's last step,
+    which is how a replay (bench/bench_rl_steps.py) rebuilds a run's workload without its workers."""
 
-    def __init__(self, cfg: RLConfig, logger=None):
+    def __init__(self, cfg: RLConfig):
         self.cfg = cfg
         dataset_fn, self.reward_fn = get_task(cfg.task)
         options = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.task_options.items()}
@@ -74,6 +76,22 @@ class RLTrainer:
         random.Random(cfg.seed).shuffle(order)
         self.prompts = [data[i]["prompt"] for i in order]
         self.answers = [data[i]["answer"] for i in order]
+
+    def batch(self, step: int) -> tuple[list[str], list[str], list[int]]:
+        """(prompts, answers, global prompt indices: the sampling seeds) of step `step`."""
+        k = self.cfg.prompts_per_step
+        idx = [(step * k + i) % len(self.prompts) for i in range(k)]
+        return [self.prompts[i] for i in idx], [self.answers[i] for i in idx], [step * k + i for i in range(k)]
+
+
+class RLTrainer:
+    """Owns the workers (Ray actors or in-process objects), the dataset and the logger."""
+
+    def __init__(self, cfg: RLConfig, logger=None):
+        self.cfg = cfg
+        self.workload = StepWorkload(cfg)
+        self.reward_fn = self.workload.reward_fn
+        self.prompts, self.answers = self.workload.prompts, self.workload.answers
         self.logger = logger
         self._ray = None
         self._store: Optional[Path] = None
@@ -104,8 +122,9 @@ class RLTrainer:
             self._ray = ray
         rollout_cls = ray.remote(num_cpus=cfg.ray.rollout_cpus, num_gpus=cfg.ray.rollout_gpus)(RolloutWorker)
         learner_cls = ray.remote(num_cpus=cfg.ray.learner_cpus, num_gpus=cfg.ray.learner_gpus)(LearnerWorker)
-        self.rollout = [rollout_cls.remote(cfg, threads=1) for _ in range(cfg.ray.rollout_actors)]
-        self.learner = learner_cls.remote(cfg, threads=1)
+        rollout_threads, learner_threads = cfg.ray.actor_threads(len(os.sched_getaffinity(0)))
+        self.rollout = [rollout_cls.remote(cfg, threads=rollout_threads) for _ in range(cfg.ray.rollout_actors)]
+        self.learner = learner_cls.remote(cfg, threads=learner_threads)
         if cfg.ray.address is None:  # one machine: rendezvous through a file, gloo on loopback
             self._store = Path(cfg.tracking.out_dir).resolve() / f".sync-store-{uuid.uuid4().hex}"
             self._store.parent.mkdir(parents=True, exist_ok=True)
@@ -132,9 +151,7 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ one step
     def batch(self, step: int) -> tuple[list[str], list[str], list[int]]:
-        k = self.cfg.prompts_per_step
-        idx = [(step * k + i) % len(self.prompts) for i in range(k)]
-        return [self.prompts[i] for i in idx], [self.answers[i] for i in idx], [step * k + i for i in range(k)]
+        return self.workload.batch(step)
 
     def sample(self, prompts: list[str], indices: list[int], params: Optional[dict] = None) -> list:
         """Split the prompts over the rollout workers; rollouts come back in prompt order."""
@@ -199,9 +216,13 @@ class RLTrainer:
 
     def run(self, on_step: Optional[Callable[[dict], None]] = None) -> list[dict]:
         history = []
+        if 0 in self.cfg.checkpoint_steps:
+            self.save_checkpoint(0)
         for s in range(self.cfg.steps):
             metrics = self.step(s)
             history.append(metrics)
+            if s + 1 in self.cfg.checkpoint_steps:
+                self.save_checkpoint(s + 1)
             if self.logger is not None:
                 self.logger.log(s + 1, {k: v for k, v in metrics.items() if k != "step"})
                 self.logger.log_version(version_row(metrics))
@@ -211,6 +232,13 @@ class RLTrainer:
                      metrics["rollout/tokens_per_s"], metrics.get("ssd/hit_rate", float("nan")),
                      metrics.get("spec/accept_rate", float("nan")))
         return history
+
+    def save_checkpoint(self, step: int) -> str:
+        """Checkpoint `step` (rl/checkpoints.py), outside the step's timed phases."""
+        t = time.perf_counter()
+        where = self._get(self._call(self.learner, "save_checkpoint", step))
+        log.info("checkpoint of step %d in %s (%.1f s)", step, where, time.perf_counter() - t)
+        return where
 
     def learner_digest(self) -> str:
         return self._get(self._call(self.learner, "weights_digest"))
