@@ -9,6 +9,9 @@
   last `reserved` free slots go only to requests that hold no slot yet: however many sequences the
   running requests have, a newcomer's first sequence starts at the next round while a reserved slot
   is free. One request alone (one `sample` call) is admitted in its own order under both policies.
+- a cap (`limit`: `EngineConfig.max_round_rows`) bounds the sequences one round admits; under "fair" a
+  capped round that admits a newcomer (a request holding no slot) admits no sequence of a request that
+  already runs, so the newcomer's prefill, which its first token waits for, is its own.
 
 Which round a sequence starts in never changes its tokens: randomness is per sequence (seed, prompt
 index, sample index), so a seeded request gets the same rollouts under either policy.
@@ -89,10 +92,14 @@ class Admission:
         heap = [(held[rid], rid) for rid in self._queues]  # request ids grow with arrival
         heapq.heapify(heap)
         out = []
+        newcomers = False
         while free > 0 and heap and len(out) < limit:
             count, rid = heapq.heappop(heap)
             if count > 0 and free <= self.reserved:
                 break  # the rest are reserved for newcomers; every request left holds a slot too
+            if held[rid] > 0 and newcomers and limit < free:
+                break  # a capped round that admits newcomers admits only them: their prefill stays short
+            newcomers = newcomers or held[rid] == 0
             queue = self._queues[rid]
             out.append(queue.popleft())
             free -= 1

@@ -52,8 +52,9 @@ def test_a_limit_caps_one_rounds_admissions_without_touching_the_reservation():
     assert _names(queue.take(10, [], limit=3)) == ["1.0", "1.1", "1.2"]  # 10 free, 3 a round
     queue.add(_seqs(2, 2))
     running = [SimpleNamespace(request_id=1)] * 3
-    assert _names(queue.take(10, running, limit=2)) == ["2.0", "2.1"]  # the newcomer first
-    assert _names(queue.take(3, running, limit=5)) == ["1.3"]  # free 3, reserved 2: the reservation still holds
+    assert _names(queue.take(10, running, limit=3)) == ["2.0", "2.1"]  # the newcomer alone, though 3 were allowed
+    assert _names(queue.take(10, running, limit=3)) == ["1.3", "1.4", "1.5"]  # no newcomer: the cap fills
+    assert _names(queue.take(3, running, limit=5)) == ["1.6"]  # free 3, reserved 2: the reservation still holds
     fifo = Admission("fifo")
     fifo.add(_seqs(1, 4))
     assert _names(fifo.take(4, [], limit=1)) == ["1.0"] and _names(fifo.take(2, [], limit=None)) == ["1.1", "1.2"]

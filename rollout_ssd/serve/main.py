@@ -66,8 +66,9 @@ def _add_limit_args(p) -> None:
                    help="fair admission: free KV slots kept for requests that hold none yet (an integer, or 'auto': "
                         "1 in 16, at least 1; default %(default)s)")
     g.add_argument("--max-round-rows", type=int, default=0,
-                   help="the most running sequences one round steps (those that waited longest), which bounds a new "
-                        "request's wait for the round in flight at some cost in a large batch's throughput; 0: "
+                   help="the most running sequences one round steps (those that waited longest) and the most waiting "
+                        "ones it admits (a new request alone in its round), which bounds a new request's wait for "
+                        "the round in flight and its own prefill at some cost in a large batch's throughput; 0: "
                         "every running sequence, every round (default %(default)s)")
 
 
