@@ -27,6 +27,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 from common import add_repo_to_path, machine_note, print_json_line, print_table
 
@@ -37,7 +38,7 @@ import torch  # noqa: E402
 from rollout_ssd import RolloutEngine, SpecConfig  # noqa: E402
 from rollout_ssd import metric_names as names  # noqa: E402
 from rollout_ssd.rl import analysis  # noqa: E402
-from rollout_ssd.rl.actors import resolve_models  # noqa: E402
+from rollout_ssd.rl.actors import engine_options, resolve_models  # noqa: E402
 from rollout_ssd.rl.checkpoints import DRAFT, POLICY, list_checkpoints  # noqa: E402
 from rollout_ssd.rl.config import build_config, load_config  # noqa: E402
 from rollout_ssd.rl.tracking import read_jsonl  # noqa: E402
@@ -105,8 +106,8 @@ def engine_for(cfg, ckpt: Path, method: str, frozen_draft: str | None = None) ->
         draft = frozen_draft or (str(ckpt / DRAFT) if meta["has_draft"] else resolve_models(cfg)[1])
         if draft is None:
             raise ValueError(f"{ckpt} has no draft, nor has its run: {method} needs one")
-    options = {f.name: getattr(cfg.engine, f.name) for f in dataclasses.fields(cfg.engine)}
-    return RolloutEngine.from_pretrained(str(ckpt / POLICY), draft=draft, spec=spec, dtype=cfg.dtype, **options)
+    return RolloutEngine.from_pretrained(str(ckpt / POLICY), draft=draft, spec=spec, dtype=cfg.dtype,
+                                         **engine_options(cfg))
 
 
 def _part(bucket: str, cut: int) -> str:
@@ -131,9 +132,50 @@ def tail_split(metrics: dict, sequences: int) -> dict:
 
 
 def step_rows(run_dir: Path) -> list[dict]:
-    """The run's per-step metrics, one row per step (the last one logged, should a step appear twice), by step."""
+    """The run's per-step metrics, one row per step (the last one logged, should a step appear twice), by
+    step; exits unless they are steps 1..N."""
     rows = {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl") if "step" in r}
+    if sorted(rows) != list(range(1, len(rows) + 1)):
+        raise SystemExit(f"{run_dir}/metrics.jsonl does not hold steps 1..N")
     return [rows[s] for s in sorted(rows)]
+
+
+@dataclasses.dataclass
+class Run:
+    """A finished run as the benches read it: its folder, config, per-step metrics and checkpoints (and the
+    temporary folder of a --quick tiny run, removed by `close`)."""
+
+    dir: Path
+    cfg: object
+    steps: list[dict]
+    checkpoints: dict[int, Path]
+    tmp: Optional[tempfile.TemporaryDirectory] = None
+
+    def close(self) -> None:
+        if self.tmp is not None:
+            self.tmp.cleanup()
+
+
+def open_run(args, prefix: str) -> Run:
+    """`args.run`, or with --quick a tiny run made in a temporary folder; every core for the engines."""
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    tmp = None
+    if args.quick:
+        tmp = tempfile.TemporaryDirectory(prefix=prefix)
+        run_dir = tiny_run(Path(tmp.name))
+    else:
+        run_dir = Path(args.run)
+    cfg = build_config(json.loads((run_dir / "config.json").read_text()))
+    return Run(run_dir, cfg, step_rows(run_dir), list_checkpoints(run_dir), tmp)
+
+
+def finish(result: dict, args, run: Run) -> dict:
+    """Write the result to --out if asked, print its JSON line, remove a --quick run."""
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print_json_line(result)
+    run.close()
+    return result
 
 
 def replay(cfg, workload: StepWorkload, ckpt: Path, step: int, method: str, replay_steps: int,
@@ -184,19 +226,10 @@ def rest_near(steps_rows: list[dict], step: int, half: int = 2) -> float:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
-    tmp = None
     if args.quick:
-        tmp = tempfile.TemporaryDirectory(prefix="bench_rl_steps_")
-        run_dir = tiny_run(Path(tmp.name))
         args.replay_steps, args.window = 1, 1
-    else:
-        run_dir = Path(args.run)
-    cfg = build_config(json.loads((run_dir / "config.json").read_text()))
-    steps_rows = step_rows(run_dir)
-    if [r["step"] for r in steps_rows] != list(range(1, len(steps_rows) + 1)):
-        raise SystemExit(f"{run_dir}/metrics.jsonl does not hold steps 1..N once each")
-    checkpoints = list_checkpoints(run_dir)
+    run = open_run(args, "bench_rl_steps_")
+    run_dir, cfg, steps_rows, checkpoints = run.dir, run.cfg, run.steps, run.checkpoints
     if args.checkpoints:
         wanted = {int(s) for s in args.checkpoints.split(",")}
         checkpoints = {s: d for s, d in checkpoints.items() if s in wanted}
@@ -268,12 +301,7 @@ def main(argv=None) -> dict:
             projected = learned[f"projected_at_{int(args.share * 100)}pct_rollout_s"]
             print(f"time to threshold at a {args.share:.0%} rollout share, a projection (s): "
                   + ", ".join(f"{k} {v:.0f}" for k, v in projected.items()))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print_json_line(result)
-    if tmp is not None:
-        tmp.cleanup()
-    return result
+    return finish(result, args, run)
 
 
 if __name__ == "__main__":

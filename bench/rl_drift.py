@@ -19,25 +19,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
-import tempfile
 from pathlib import Path
 
-from bench_rl_steps import step_rows, tiny_run
-from common import add_repo_to_path, machine_note, print_json_line, print_table
+from bench_rl_steps import finish, open_run
+from common import add_repo_to_path, machine_note, print_table
 
 add_repo_to_path()
 
-import torch  # noqa: E402
 
 from rollout_ssd import RolloutEngine, SamplingParams, SpecConfig  # noqa: E402
 from rollout_ssd import metric_names as names  # noqa: E402
-from rollout_ssd.rl.actors import resolve_models  # noqa: E402
-from rollout_ssd.rl.checkpoints import DRAFT, POLICY, list_checkpoints  # noqa: E402
-from rollout_ssd.rl.config import build_config  # noqa: E402
+from rollout_ssd.rl.actors import engine_options, resolve_models  # noqa: E402
+from rollout_ssd.rl.checkpoints import DRAFT, POLICY  # noqa: E402
 from rollout_ssd.rl.tasks import get_task  # noqa: E402
-from rollout_ssd.rl.trainer import StepWorkload  # noqa: E402
+from rollout_ssd.rl.trainer import StepWorkload, task_dataset  # noqa: E402
 
 FOLLOW_GOAL = 0.10
 
@@ -58,10 +53,8 @@ def parse_args(argv=None):
 
 def heldout_set(cfg, num: int) -> tuple[list[str], list[str]]:
     """`num` problems of the run's task drawn with another seed, minus any prompt of its training set."""
-    builder, _ = get_task(cfg.task)
-    options = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.task_options.items()}
     train = set(StepWorkload(cfg).prompts)
-    data = builder(4 * num, seed=cfg.seed + 10_007, **options)
+    data = task_dataset(cfg, 4 * num, cfg.seed + 10_007)
     rows = [(p, a) for p, a in zip(data["prompt"], data["answer"]) if p not in train][:num]
     return [p for p, _ in rows], [a for _, a in rows]
 
@@ -69,9 +62,8 @@ def heldout_set(cfg, num: int) -> tuple[list[str], list[str]]:
 def greedy_accuracy(cfg, ckpt: Path, prompts: list[str], answers: list[str]) -> float:
     _, reward = get_task(cfg.task)
     params = SamplingParams(temperature=0.0, max_new_tokens=cfg.sampling.max_new_tokens, chat=cfg.sampling.chat)
-    options = {f.name: getattr(cfg.engine, f.name) for f in dataclasses.fields(cfg.engine)}
     with RolloutEngine.from_pretrained(str(ckpt / POLICY), spec=SpecConfig(method="ar"), dtype=cfg.dtype,
-                                       **options) as engine:
+                                       **engine_options(cfg)) as engine:
         rollouts = engine.sample(prompts, params)
     return sum(reward(r.text or "", a) for r, a in zip(rollouts, answers)) / len(answers)
 
@@ -79,9 +71,8 @@ def greedy_accuracy(cfg, ckpt: Path, prompts: list[str], answers: list[str]) -> 
 def forced_ssd(cfg, ckpt: Path, draft: str, workload: StepWorkload, step: int, replay_steps: int) -> dict:
     """Acceptance and hit rate of a forced-SSD engine (every round SSD) with `draft` on steps step.. ."""
     spec = dataclasses.replace(cfg.spec, method="ssd", strategy_rule=False)
-    options = {f.name: getattr(cfg.engine, f.name) for f in dataclasses.fields(cfg.engine)}
     with RolloutEngine.from_pretrained(str(ckpt / POLICY), draft=draft, spec=spec, dtype=cfg.dtype,
-                                       **options) as engine:
+                                       **engine_options(cfg)) as engine:
         engine.metrics(reset=True)
         for r in range(replay_steps):
             prompts, _, indices = workload.batch(step + r)
@@ -134,18 +125,10 @@ def draw(result: dict, path: Path) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
-    tmp = None
     if args.quick:
-
-        tmp = tempfile.TemporaryDirectory(prefix="rl_drift_")
-        run_dir = tiny_run(Path(tmp.name))
         args.heldout, args.replay_steps = min(args.heldout, 8), 1
-    else:
-        run_dir = Path(args.run)
-    cfg = build_config(json.loads((run_dir / "config.json").read_text()))
-    rows_run = step_rows(run_dir)
-    checkpoints = list_checkpoints(run_dir)
+    run = open_run(args, "rl_drift_")
+    run_dir, cfg, rows_run, checkpoints = run.dir, run.cfg, run.steps, run.checkpoints
     if 0 not in checkpoints:
         raise SystemExit(f"{run_dir} has no checkpoint of step 0 (checkpoint_steps must include 0: the reference)")
     _, frozen = resolve_models(cfg)
@@ -177,12 +160,7 @@ def main(argv=None) -> dict:
               "heldout_rises": rows[-1]["heldout_greedy"] > rows[0]["heldout_greedy"]}
     if args.png:
         draw(result, Path(args.png))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print_json_line(result)
-    if tmp is not None:
-        tmp.cleanup()
-    return result
+    return finish(result, args, run)
 
 
 if __name__ == "__main__":

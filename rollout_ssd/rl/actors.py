@@ -68,6 +68,11 @@ def engine_dtype(cfg: RLConfig) -> torch.dtype:
     return parse_dtype(cfg.dtype)
 
 
+def engine_options(cfg: RLConfig) -> dict:
+    """Every EngineConfig field of the run, as `RolloutEngine.from_pretrained` keyword arguments."""
+    return {f.name: getattr(cfg.engine, f.name) for f in dataclasses.fields(cfg.engine)}
+
+
 class RolloutWorker:
     """One engine. `sample` takes prompts (text or ids) with their global indices (the seeds)."""
 
@@ -76,9 +81,8 @@ class RolloutWorker:
             torch.set_num_threads(threads)
         target, draft = resolve_models(cfg)
         placement = dict(device=cfg.device, draft_device=cfg.draft_device if cfg.spec.method == "ssd" else None)
-        engine_options = {f.name: getattr(cfg.engine, f.name) for f in dataclasses.fields(cfg.engine)}  # all of them
         self.engine = RolloutEngine.from_pretrained(target, draft=draft if has_draft(cfg) else None, spec=cfg.spec,
-                                                    dtype=cfg.dtype, **placement, **engine_options)
+                                                    dtype=cfg.dtype, **placement, **engine_options(cfg))
         self.cfg = cfg
 
     # -- weight sync ---------------------------------------------------------------------------------

@@ -59,6 +59,18 @@ def merge_engine_metrics(per_actor: list[dict]) -> dict:
     return out
 
 
+def task_dataset(cfg: RLConfig, num: int, seed: int):
+    """`num` rows of the run's task (with its task_options) drawn with `seed`; checked for the prompt and
+    answer columns."""
+    dataset_fn, _ = get_task(cfg.task)
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.task_options.items()}
+    data = dataset_fn(num, seed=seed, **options)
+    for column in ("prompt", "answer"):
+        if column not in data.column_names:
+            raise ValueError(f"task {cfg.task!r}: its dataset has no {column!r} column")
+    return data
+
+
 class StepWorkload:
     """The run's prompts in the order its steps take them: the task's dataset shuffled once by the seed,
     then cycled. `batch(step)` is what step `step` (0-based) samples, also past the run's last step,
@@ -66,12 +78,8 @@ class StepWorkload:
 
     def __init__(self, cfg: RLConfig):
         self.cfg = cfg
-        dataset_fn, self.reward_fn = get_task(cfg.task)
-        options = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.task_options.items()}
-        data = dataset_fn(cfg.dataset_size, seed=cfg.seed, **options)
-        for column in ("prompt", "answer"):
-            if column not in data.column_names:
-                raise ValueError(f"task {cfg.task!r}: its dataset has no {column!r} column")
+        _, self.reward_fn = get_task(cfg.task)
+        data = task_dataset(cfg, cfg.dataset_size, cfg.seed)
         order = list(range(len(data)))
         random.Random(cfg.seed).shuffle(order)
         self.prompts = [data[i]["prompt"] for i in order]
